@@ -1,0 +1,109 @@
+// pybind11 module flash_kda._C. Device work takes raw device pointers and a stream handle (integers from
+// torch's data_ptr() and current_stream().cuda_stream), so the extension needs no libtorch and imports on
+// machines without a GPU. Argument checking lives in Python (flash_kda/api.py); this layer only converts.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "kda/csrc/kda_launch.h"
+#include "kda/csrc/kda_params.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+
+void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g, std::uintptr_t beta,
+         std::uintptr_t A_log, std::uintptr_t dt_bias, std::uintptr_t out, std::uintptr_t initial_state,
+         std::uintptr_t final_state, bool state_is_fp32, std::uintptr_t cu_seqlens, bool cu_seqlens_is_int64,
+         int64_t batch, int64_t seqlen, int64_t num_seqs, int heads, float scale, float lower_bound,
+         std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+  kda::FwdParams p{};
+  p.q = ptr<const void>(q);
+  p.k = ptr<const void>(k);
+  p.v = ptr<const void>(v);
+  p.g = ptr<const void>(g);
+  p.beta = ptr<const void>(beta);
+  p.A_log = ptr<const float>(A_log);
+  p.dt_bias = ptr<const float>(dt_bias);
+  p.out = ptr<void>(out);
+  p.initial_state = ptr<const void>(initial_state);
+  p.final_state = ptr<void>(final_state);
+  p.state_is_fp32 = state_is_fp32;
+  p.cu_seqlens = ptr<const void>(cu_seqlens);
+  p.cu_seqlens_is_int64 = cu_seqlens_is_int64;
+  p.total_tokens = batch * seqlen;
+  p.seqlen = seqlen;
+  p.num_seqs = num_seqs;
+  p.heads = heads;
+  p.scale = scale;
+  p.lower_bound = lower_bound;
+  p.workspace = ptr<void>(workspace);
+  p.workspace_bytes = workspace_bytes;
+  py::gil_scoped_release release;
+  kda::fwd(p, stream_of(stream));
+}
+
+void elementwise(kda::Elementwise op, std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t stream) {
+  py::gil_scoped_release release;
+  kda::launch_elementwise(op, ptr<const float>(x), ptr<float>(y), n, stream_of(stream));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "FlashKDA CUDA extension: KDA forward for sm_90a and the numerics helpers its twin uses.";
+  m.attr("CHUNK") = kda::kChunk;
+  m.attr("HEAD_DIM") = kda::kHeadDim;
+  m.attr("CHUNK_RECORD_BYTES") = kda::ChunkRecordLayout::kBytes;
+
+  m.def("build_info", &kda::build_info, "Toolkit version and GPU archs this extension was compiled for.");
+  m.def("device_info", &kda::device_info, py::arg("device"),
+        "Name, compute capability, SM count, L2 size, driver and runtime versions of a CUDA device.");
+  m.def("workspace_bytes", &kda::workspace_bytes, py::arg("total_tokens"), py::arg("num_seqs"), py::arg("heads"),
+        "Bytes of workspace one forward call needs.");
+  m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
+        py::arg("dt_bias"), py::arg("out"), py::arg("initial_state"), py::arg("final_state"),
+        py::arg("state_is_fp32"), py::arg("cu_seqlens"), py::arg("cu_seqlens_is_int64"), py::arg("batch"),
+        py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("scale"), py::arg("lower_bound"),
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+        "Enqueues the KDA forward on `stream` (device pointers as integers, 0 for None). Validation is the "
+        "caller's job: use flash_kda.fwd.");
+  m.def(
+      "ex2_approx",
+      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
+        elementwise(kda::Elementwise::kEx2Approx, x, y, n, s);
+      },
+      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"), "y = ex2.approx.ftz.f32(x), fp32 arrays.");
+  m.def(
+      "tanh_approx",
+      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
+        elementwise(kda::Elementwise::kTanhApprox, x, y, n, s);
+      },
+      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"), "y = tanh.approx.f32(x), fp32 arrays.");
+  m.def(
+      "sigmoid_approx",
+      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
+        elementwise(kda::Elementwise::kSigmoidApprox, x, y, n, s);
+      },
+      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"),
+      "y = 0.5 * tanh.approx.f32(0.5 * x) + 0.5 (each step rounded), fp32 arrays.");
+  m.def(
+      "mma_bf16",
+      [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t d, int64_t batch, int m_, int n_,
+         int k_, std::uintptr_t s) {
+        py::gil_scoped_release release;
+        kda::launch_mma_bf16(ptr<const void>(a), ptr<const void>(b), ptr<const float>(c), ptr<float>(d), batch, m_,
+                             n_, k_, stream_of(s));
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"), py::arg("batch"), py::arg("m"), py::arg("n"),
+      py::arg("k"), py::arg("stream"),
+      "D = C + A·B per batch entry via mma.sync m16n8k16 (bf16 in, fp32 accumulate), k-steps in order.");
+}

@@ -1,0 +1,109 @@
+// Device arithmetic shared by the KDA kernels and the elementwise/matmul helpers that the Python numerics
+// twin calls. Every floating-point step that affects results goes through an explicitly rounded intrinsic
+// (__fadd_rn, __fmul_rn, ...) so the compiler cannot contract it into an FMA: the twin re-enacts these
+// exact roundings with PyTorch's IEEE-rounded elementwise ops.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace kda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNormEps = 1e-6f;  // inside the square root of the L2 norm (SPEC §1).
+
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// sigmoid(x) = 0.5 * tanh(x / 2) + 0.5; both scalings by 0.5 are exact.
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  return __fadd_rn(__fmul_rn(0.5f, tanh_approx(__fmul_rn(0.5f, x))), 0.5f);
+}
+
+// Two floats -> one register of two bf16 (round to nearest even), low half = first element.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float bf16_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// D = C + A·B for one m16n8k16 tile: bf16 operands, fp32 accumulators, fragments as the PTX ISA lays them
+// out (g = lane / 4, t = lane % 4):
+//   a[0]: (row g,   cols 2t..2t+1)  a[1]: (row g+8, cols 2t..2t+1)
+//   a[2]: (row g,   cols 2t+8..+9)  a[3]: (row g+8, cols 2t+8..+9)
+//   b[0]: (k 2t..2t+1, col g)       b[1]: (k 2t+8..+9, col g)
+//   c[0..1]: (row g, cols 2t..2t+1) c[2..3]: (row g+8, cols 2t..2t+1)
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Loads the A fragment of a 16x16 bf16 tile stored row-major (row stride `ld` elements) in shared memory.
+__device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], const __nv_bfloat16* tile, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  a[0] = *reinterpret_cast<const uint32_t*>(tile + g * ld + 2 * t);
+  a[1] = *reinterpret_cast<const uint32_t*>(tile + (g + 8) * ld + 2 * t);
+  a[2] = *reinterpret_cast<const uint32_t*>(tile + g * ld + 2 * t + 8);
+  a[3] = *reinterpret_cast<const uint32_t*>(tile + (g + 8) * ld + 2 * t + 8);
+}
+
+// Loads the B fragment of a 16(k)x8(n) tile whose columns are stored contiguously: element (k, n) at
+// tile[n * ld + k] (i.e. the transposed operand stored row-major, as Kd for Kd·Sᵀ).
+__device__ __forceinline__ void load_b_frag(uint32_t (&b)[2], const __nv_bfloat16* tile, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  b[0] = *reinterpret_cast<const uint32_t*>(tile + g * ld + 2 * t);
+  b[1] = *reinterpret_cast<const uint32_t*>(tile + g * ld + 2 * t + 8);
+}
+
+// Converts the fp32 accumulators of two adjacent n8 tiles (columns 16s..16s+15 of a 16-row block) into
+// the bf16 A fragment covering those 16 columns as the k dimension of the next product.
+__device__ __forceinline__ void acc_to_a_frag(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16x2(lo[0], lo[1]);
+  a[1] = pack_bf16x2(lo[2], lo[3]);
+  a[2] = pack_bf16x2(hi[0], hi[1]);
+  a[3] = pack_bf16x2(hi[2], hi[3]);
+}
+
+// Sequence boundaries [bos, eos) of sequence n, clamped to [0, total_tokens] so malformed cu_seqlens can
+// never send a kernel out of bounds (their results are unspecified, but memory stays safe).
+struct SeqBounds {
+  int64_t bos;
+  int64_t eos;
+};
+
+__device__ __forceinline__ int64_t load_cu(const void* cu, bool is_int64, int64_t i) {
+  return is_int64 ? static_cast<const int64_t*>(cu)[i] : static_cast<int64_t>(static_cast<const int32_t*>(cu)[i]);
+}
+
+__device__ __forceinline__ SeqBounds seq_bounds(const void* cu, bool is_int64, int64_t n, int64_t seqlen,
+                                                int64_t total_tokens) {
+  int64_t bos, eos;
+  if (cu == nullptr) {
+    bos = n * seqlen;
+    eos = bos + seqlen;
+  } else {
+    bos = load_cu(cu, is_int64, n);
+    eos = load_cu(cu, is_int64, n + 1);
+  }
+  bos = bos < 0 ? 0 : (bos > total_tokens ? total_tokens : bos);
+  eos = eos < bos ? bos : (eos > total_tokens ? total_tokens : eos);
+  return {bos, eos};
+}
+
+// First chunk slot of sequence n (see kda_params.h).
+__device__ __forceinline__ int64_t first_slot(int64_t bos, int64_t n) { return bos / 16 + n; }
+
+}  // namespace kda

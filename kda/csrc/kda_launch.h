@@ -1,0 +1,35 @@
+// Host-side entry points of the KDA forward and of the numerics helpers. Plain C++ declarations (no CUDA
+// syntax) so the pybind11 binding compiles with the host compiler alone.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "kda/csrc/kda_params.h"
+
+namespace kda {
+
+// The two stages of the forward (kda_prepare.cu, kda_recurrence.cu).
+void launch_prepare(const FwdParams& p, cudaStream_t stream);
+void launch_recurrence(const FwdParams& p, cudaStream_t stream);
+
+// Whole forward: checks the workspace size, then enqueues both stages on `stream` (kda_fwd.cu).
+void fwd(const FwdParams& p, cudaStream_t stream);
+
+// Elementwise helpers on fp32 device arrays, the same instructions the kernels use (helpers.cu).
+enum class Elementwise { kEx2Approx, kTanhApprox, kSigmoidApprox };
+void launch_elementwise(Elementwise op, const float* x, float* y, int64_t n, cudaStream_t stream);
+
+// D = C + A·B per batch entry through mma.sync m16n8k16 (bf16 in, fp32 accumulate), k-steps in order.
+// A [batch, m, k] bf16, B [batch, k, n] bf16, C (may be null = zeros), D [batch, m, n] fp32; row-major.
+void launch_mma_bf16(const void* a, const void* b, const float* c, float* d, int64_t batch, int m, int n, int k,
+                     cudaStream_t stream);
+
+// Build and device facts (device_info.cu).
+std::map<std::string, std::string> build_info();
+std::map<std::string, std::string> device_info(int device);
+
+}  // namespace kda

@@ -1,0 +1,24 @@
+"""FlashKDA: the Kimi Delta Attention forward for Hopper (sm_90a), callable from PyTorch.
+
+``flash_kda.fwd`` is a drop-in for the call that inference stacks (fla's ``chunk_kda`` backend) already make;
+CPU tensors take a portable fp32 path. Submodules: ``reference`` (float64 ground truth), ``numerics`` (the
+kernel's numerics twin and the CPU path), ``compare`` (error metrics), ``_ext`` (the compiled helpers).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from flash_kda.api import check_cu_seqlens, fwd, reserve_workspace, workspace_bytes
+
+__version__ = "0.1.0"
+__all__ = ["fwd", "check_cu_seqlens", "workspace_bytes", "reserve_workspace", "__version__"]
+
+_SUBMODULES = ("reference", "numerics", "compare", "api", "_ext")
+
+
+def __getattr__(name: str):
+    # Submodules load on first access: `import flash_kda` stays cheap and works without the extension.
+    if name in _SUBMODULES:
+        return importlib.import_module(f"flash_kda.{name}")
+    raise AttributeError(f"module 'flash_kda' has no attribute {name!r}")

@@ -1,0 +1,168 @@
+"""Torch-facing wrappers around the compiled extension ``flash_kda._C``.
+
+``_C`` takes raw device pointers and a stream handle (it links neither torch nor libtorch). It is imported
+lazily, on first use, so ``import flash_kda`` works on machines where the extension was not built (the CPU path
+and the references need only PyTorch); using a CUDA feature there raises an ImportError that says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "available",
+    "load",
+    "build_info",
+    "device_info",
+    "ex2_approx",
+    "tanh_approx",
+    "sigmoid_approx",
+    "mma_bf16",
+]
+
+
+@functools.cache
+def _import() -> ModuleType | ImportError:
+    try:
+        from flash_kda import _C  # noqa: PLC0415 -- lazy by design
+    except ImportError as e:  # cached: a failed import is not retried on every call
+        return e
+    return _C
+
+
+def available() -> bool:
+    """True when the compiled extension ``flash_kda._C`` can be imported."""
+    return not isinstance(_import(), ImportError)
+
+
+def load() -> ModuleType:
+    """Returns the extension module ``flash_kda._C``, or raises ImportError explaining how to get it."""
+    mod = _import()
+    if isinstance(mod, ImportError):
+        raise ImportError(
+            "flash_kda._C (the CUDA extension) is not importable, so the CUDA path of flash_kda is unavailable; "
+            "build it with `tools/bazel build //kda:py` (the CPU path and flash_kda.reference work without it). "
+            f"Import error: {mod}"
+        ) from mod
+    return mod
+
+
+def build_info() -> dict:
+    """The extension's build facts: toolkit version, archs compiled in, compiler flags."""
+    return dict(load().build_info())
+
+
+def device_info(device: int | torch.device | None = None) -> dict:
+    """Facts about a CUDA device as the CUDA runtime reports them.
+
+    | arg | type | meaning |
+    |---|---|---|
+    | device | int / torch.device / None | CUDA device; None: the current one |
+
+    Returns a dict with at least name, major, minor, sm_count, driver_version, runtime_version (integral
+    values as int).
+    """
+    if device is None:
+        index = torch.cuda.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"device_info needs a CUDA device, got {device=}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    # The binding reports strings; integers come back as ints so callers can compare capabilities.
+    return {key: int(value) if isinstance(value, str) and value.isdigit() else value
+            for key, value in load().device_info(index).items()}
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check_fp32_cuda(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t)=}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype=}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor, got {t.device=}")
+
+
+def _elementwise(fn_name: str, x: torch.Tensor) -> torch.Tensor:
+    _check_fp32_cuda("x", x)
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    with torch.cuda.device(x.device):
+        getattr(load(), fn_name)(x.data_ptr(), y.data_ptr(), x.numel(), _stream(x.device))
+    return y
+
+
+def ex2_approx(x: torch.Tensor) -> torch.Tensor:
+    """y = 2^x elementwise with the kernel's `ex2.approx.ftz.f32` (fp32 CUDA tensor in, new tensor out)."""
+    return _elementwise("ex2_approx", x)
+
+
+def tanh_approx(x: torch.Tensor) -> torch.Tensor:
+    """y = tanh(x) elementwise with the kernel's `tanh.approx.f32` (fp32 CUDA tensor in, new tensor out)."""
+    return _elementwise("tanh_approx", x)
+
+
+def sigmoid_approx(x: torch.Tensor) -> torch.Tensor:
+    """y = sigmoid(x) elementwise exactly as the kernel computes it (fp32 CUDA tensor in, new tensor out)."""
+    return _elementwise("sigmoid_approx", x)
+
+
+def mma_bf16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """D = C + A·B per batch entry, with the kernel's `mma.sync.m16n8k16` bf16×bf16→fp32, k-steps in order.
+
+    Batch dimensions are not broadcast: they must be equal in a, b and c.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | a | bf16 | [..., m, k] | left factor (m % 16 == 0, k % 16 == 0) |
+    | b | bf16 | [..., k, n] | right factor (n % 8 == 0) |
+    | c | fp32 / None | [..., m, n] | addend; None: zeros |
+
+    Returns D, fp32 [..., m, n], a new contiguous tensor on a's device.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be bfloat16, got {name}.dtype={t.dtype}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got {name}.device={t.device}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims, got {name}.shape={tuple(t.shape)}")
+    if b.device != a.device:
+        raise ValueError(f"a and b must be on one device, got {a.device=} {b.device=}")
+    *batch, m, k = a.shape
+    *batch_b, k_b, n = b.shape
+    if batch_b != batch or k_b != k:
+        raise ValueError(f"mma_bf16 needs a [..., m, k] and b [..., k, n], got {a.shape=} {b.shape=}")
+    if m % 16 or n % 8 or k % 16:
+        raise ValueError(f"mma_bf16 needs m % 16 == 0, n % 8 == 0, k % 16 == 0, got {m=} {n=} {k=}")
+    if c is None:
+        c = torch.zeros((*batch, m, n), dtype=torch.float32, device=a.device)
+    else:
+        _check_fp32_cuda("c", c)
+        if c.device != a.device:
+            raise ValueError(f"c must be on a's device, got {c.device=} {a.device=}")
+        if tuple(c.shape) != (*batch, m, n):
+            raise ValueError(f"c must have shape {(*batch, m, n)}, got {c.shape=}")
+        c = c.contiguous()
+    a, b = a.contiguous(), b.contiguous()
+    d = torch.empty_like(c)
+    nbatch = math.prod(batch)
+    if d.numel() == 0:
+        return d
+    if k == 0:  # nothing to accumulate: D = C, no launch
+        return d.copy_(c)
+    with torch.cuda.device(a.device):
+        load().mma_bf16(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), nbatch, m, n, k, _stream(a.device))
+    return d

@@ -1,0 +1,334 @@
+"""The public forward call ``flash_kda.fwd``: validation, workspace management and dispatch.
+
+CUDA tensors go to the sm_90a kernel in ``flash_kda._C``; CPU tensors go to the fp32 chunked PyTorch path
+(``flash_kda.numerics.cpu_forward``), so the same call works on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+
+import torch
+
+from flash_kda import _ext
+
+__all__ = ["fwd", "check_cu_seqlens", "workspace_bytes", "reserve_workspace", "HEAD_DIM", "LOWER_BOUND_RANGE"]
+
+HEAD_DIM = 128  # K = V = 128: the only head size the kernel is built for.
+LOWER_BOUND_RANGE = (-5.0, 0.0)  # the kernel's chunk size keeps 2^{±G} in range only for lower_bound >= -5.
+REQUIRED_CAPABILITY = (9, 0)  # the kernel is compiled for sm_90a, which runs on compute capability 9.0 only.
+_STATE_DTYPES = (torch.bfloat16, torch.float32)
+_CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
+
+
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    initial_state: torch.Tensor | None = None,
+    final_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    workspace: torch.Tensor | None = None,
+) -> None:
+    """Kimi Delta Attention forward: writes the output into ``out`` and the last state into ``final_state``.
+
+    Per sequence n and head h, with q̂ = q/sqrt(Σq² + 1e-6), k̂ likewise, the per-channel decay
+    α_t = exp(lower_bound · sigmoid(exp(A_log[h]) · (g_t + dt_bias[h]))) and β_t = sigmoid(beta_t), the state
+    S ∈ R^{V×K} (zeros or ``initial_state[n, h]``) evolves token by token as
+
+        S ← S · Diag(α_t);   S ← S + β_t (v_t − S k̂_t) k̂_tᵀ;   out_t = S (scale · q̂_t)
+
+    and ``final_state[n, h]`` receives S after the sequence's last token. Without ``cu_seqlens`` each of the
+    B rows is one sequence (N = B); with it, B must be 1 and sequence n is tokens cu[n] .. cu[n+1]-1 (it may be
+    empty, and T = 0 is allowed). States never cross sequence boundaries.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | q, k | bf16 | [B, T, H, K] | queries, keys (L2-normalised inside) |
+    | v | bf16 | [B, T, H, V] | values |
+    | g | bf16 | [B, T, H, K] | gate before activation |
+    | beta | bf16 | [B, T, H] | beta logits (sigmoid inside) |
+    | scale | float | — | output scale, finite (usually K**-0.5) |
+    | out | bf16 | [B, T, H, V] | output buffer, written in place |
+    | A_log | fp32 | [H] | log-gate parameter |
+    | dt_bias | fp32 | [H, K] (or flat [H*K]) | gate bias |
+    | lower_bound | float | — | gate lower bound, in [-5, 0] |
+    | initial_state | None / bf16 / fp32 | [N, H, V, K] | initial state (None: zeros); never modified |
+    | final_state | None / bf16 / fp32 | [N, H, V, K] | output buffer for the final state (may be initial_state) |
+    | cu_seqlens | int64 / int32 | [N + 1] | optional sequence boundaries; requires B = 1 |
+    | workspace | uint8 | [≥ workspace_bytes(q, cu_seqlens)] | optional CUDA scratch (keyword only) |
+
+    K = V = 128. All tensors are contiguous and on one device; when both states are given their dtypes match.
+    Only ``out`` and ``final_state`` are written. Returns None.
+
+    CUDA: needs compute capability 9.0 (sm_90a). The call never synchronises with the host and allocates no
+    device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of
+    ``cu_seqlens`` are therefore not checked on the host: the kernel clamps malformed boundaries into [0, T]
+    (it never reads or writes out of bounds, but the result of a malformed ``cu_seqlens`` is unspecified); call
+    ``flash_kda.check_cu_seqlens`` to validate them explicitly. Without ``workspace`` the call uses a cached
+    per-(device, stream) buffer that grows when a larger problem is first seen; that growth is an allocation, so
+    before graph capture pass ``workspace`` or size the cache with ``flash_kda.reserve_workspace``.
+
+    CPU: the fp32 chunked PyTorch path computes the same function (slow, for testing and portability); the
+    contents of ``cu_seqlens`` are validated there.
+    """
+    tensors = {
+        "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log, "dt_bias": dt_bias,
+        "initial_state": initial_state, "final_state": final_state, "cu_seqlens": cu_seqlens,
+    }  # fmt: skip
+    given = {name: t for name, t in tensors.items() if t is not None}
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t)=}")
+    for name in ("q", "k", "v", "g", "beta", "out", "A_log", "dt_bias"):
+        if name not in given:
+            raise TypeError(f"{name} is required, got {name}=None")
+
+    # --- arch: the kernel is sm_90a machine code; anything else would fail at launch with a vaguer error.
+    if q.device.type == "cuda":
+        _check_arch(q.device)
+
+    # --- dtype
+    for name in ("q", "k", "v", "g", "beta", "out"):
+        if tensors[name].dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be bfloat16, got {name}.dtype={tensors[name].dtype}")
+    for name in ("A_log", "dt_bias"):
+        if tensors[name].dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {name}.dtype={tensors[name].dtype}")
+    for name in ("initial_state", "final_state"):
+        if name in given and given[name].dtype not in _STATE_DTYPES:
+            raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={given[name].dtype}")
+    if initial_state is not None and final_state is not None and initial_state.dtype != final_state.dtype:
+        raise TypeError(
+            f"initial_state and final_state must have one dtype, got {initial_state.dtype=} {final_state.dtype=}"
+        )
+    if cu_seqlens is not None and cu_seqlens.dtype not in _CU_SEQLENS_DTYPES:
+        raise TypeError(f"cu_seqlens must be int64 or int32, got {cu_seqlens.dtype=}")
+
+    # --- device: one device for everything (cu_seqlens included: reading it from the host would synchronise).
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"tensors must be on a CUDA or CPU device, got {q.device=}")
+    for name, t in given.items():
+        if t.device != q.device:
+            raise ValueError(f"all tensors must be on one device, got q.device={q.device} but {name}.device={t.device}")
+    if workspace is not None:
+        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8:
+            raise TypeError(f"workspace must be a uint8 tensor, got {getattr(workspace, 'dtype', type(workspace))=}")
+        if workspace.device != q.device:
+            raise ValueError(f"workspace must be on q's device, got {workspace.device=} {q.device=}")
+
+    # --- layout: the kernel indexes the SPEC layouts with implicit strides.
+    for name, t in given.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got {name}.stride()={t.stride()} for shape {tuple(t.shape)}")
+    if workspace is not None and not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous, got {workspace.stride()=}")
+
+    # --- shape
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got {q.shape=}")
+    B, T, H, K = q.shape
+    if K != HEAD_DIM:
+        raise NotImplementedError(f"flash_kda supports head dim K = {HEAD_DIM} only, got K={K} from {q.shape=}")
+    if v.dim() != 4:
+        raise ValueError(f"v must be [B, T, H, V], got {v.shape=}")
+    V = v.shape[-1]
+    if V != HEAD_DIM:
+        raise NotImplementedError(f"flash_kda supports head dim V = {HEAD_DIM} only, got V={V} from {v.shape=}")
+    expected_shapes = {
+        "k": (B, T, H, K), "g": (B, T, H, K), "v": (B, T, H, V), "out": (B, T, H, V), "beta": (B, T, H),
+        "A_log": (H,),
+    }  # fmt: skip
+    for name, shape in expected_shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} (from {q.shape=}), got {name}.shape={tuple(tensors[name].shape)}")
+    if tuple(dt_bias.shape) not in ((H, K), (H * K,)):
+        raise ValueError(f"dt_bias must have shape [{H}, {K}] (or flat [{H * K}]), got {dt_bias.shape=}")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires B == 1 (sequences are packed along T), got B={B} from {q.shape=}")
+        N = cu_seqlens.numel() - 1
+    else:
+        N = B
+    for name in ("initial_state", "final_state"):
+        if name in given and tuple(given[name].shape) != (N, H, V, K):
+            raise ValueError(
+                f"{name} must have shape [N, H, V, K] = {[N, H, V, K]}, got {name}.shape={tuple(given[name].shape)}"
+            )
+
+    # --- scalar values
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number, got {scale=}")
+    if (
+        not isinstance(lower_bound, numbers.Real)
+        or isinstance(lower_bound, bool)
+        or not math.isfinite(lower_bound)
+        or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]
+    ):
+        raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got {lower_bound=}")
+
+    if q.device.type == "cpu" and cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, T)  # no synchronisation to avoid on the host
+
+    # --- nothing to compute: no launch with an empty grid, but final_state is still defined.
+    if B * T == 0 or H == 0:
+        if final_state is not None and final_state is not initial_state:
+            if initial_state is None:
+                final_state.zero_()
+            else:
+                final_state.copy_(initial_state)
+        return None
+
+    if q.device.type == "cpu":
+        _cpu_forward(q, k, v, g, beta, float(scale), out, A_log, dt_bias.view(H, K), float(lower_bound),
+                     initial_state, final_state, cu_seqlens)  # fmt: skip
+        return None
+
+    C = _ext.load()
+    nbytes = C.workspace_bytes(B * T, N, H)
+    if workspace is None:
+        workspace = _cached_workspace(q.device, nbytes)
+    elif workspace.numel() < nbytes:
+        raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
+    state = initial_state if initial_state is not None else final_state
+    state_is_fp32 = state is not None and state.dtype == torch.float32
+
+    def ptr(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    with torch.cuda.device(q.device):
+        C.fwd(
+            ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(A_log), ptr(dt_bias), ptr(out),
+            ptr(initial_state), ptr(final_state), state_is_fp32,
+            ptr(cu_seqlens), cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
+            B, T, N, H, float(scale), float(lower_bound),
+            ptr(workspace), workspace.numel(), torch.cuda.current_stream(q.device).cuda_stream,
+        )  # fmt: skip
+    return None
+
+
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device (a seam for tests, which monkeypatch it)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def _check_arch(device: torch.device) -> None:
+    capability = tuple(_device_capability(device))
+    if capability != REQUIRED_CAPABILITY:
+        raise RuntimeError(
+            f"flash_kda's CUDA kernel is built for sm_90a and needs compute capability 9.0 (H100/H200), "
+            f"got device {device} with capability {capability}; use CPU tensors for the portable path"
+        )
+
+
+def _cpu_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
+    from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
+
+    if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
+        cu_seqlens = cu_seqlens.to(torch.int64)
+    o, state = numerics.cpu_forward(
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=initial_state, cu_seqlens=cu_seqlens
+    )
+    # The results are fresh tensors, so final_state may alias initial_state.
+    out.copy_(o)
+    if final_state is not None:
+        final_state.copy_(state)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
+    """Validates the contents of ``cu_seqlens`` on the host (this synchronises with the device).
+
+    ``fwd`` does not read ``cu_seqlens`` on the host for CUDA tensors; call this where malformed boundaries may
+    come from outside.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | cu_seqlens | int64 / int32 | [N + 1] | sequence boundaries |
+    | total_tokens | int | — | T, the packed length (q.shape[1] with B = 1) |
+
+    Raises ValueError naming the problem unless N >= 1, cu[0] == 0, cu is non-decreasing and cu[N] == T.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _CU_SEQLENS_DTYPES:
+        raise TypeError(f"cu_seqlens must be an int64 or int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))=}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0].item()} in cu_seqlens={cu.tolist()}")
+    steps = cu[1:] - cu[:-1]
+    if (steps < 0).any():
+        n = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{n}]={cu[n].item()} > "
+            f"cu_seqlens[{n + 1}]={cu[n + 1].item()}"
+        )
+    if cu[-1] != total_tokens:
+        raise ValueError(
+            f"cu_seqlens[-1] must equal the number of tokens {total_tokens}, got cu_seqlens[-1]={cu[-1].item()}"
+        )
+
+
+def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
+    """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``).
+
+    Host-only: reads shapes, never tensor contents.
+    """
+    B, T, H, _ = q.shape
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    return int(_ext.load().workspace_bytes(B * T, N, H))
+
+
+# One cached workspace per (device index, stream): a buffer shared across streams could be overwritten by a
+# kernel on another stream while still in use. The caching allocator ties each buffer to the stream it was
+# allocated on, so replacing it by a larger one is stream-ordered and safe.
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_workspaces_lock = threading.Lock()
+_WORKSPACE_GRANULE = 2 << 20  # round growth up to 2 MiB so slowly growing inputs do not reallocate every call
+
+
+def _cached_workspace(device: torch.device, nbytes: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    with _workspaces_lock:
+        buf = _workspaces.get(key)
+        if buf is not None and buf.numel() >= nbytes:
+            return buf
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"flash_kda.fwd needs {nbytes} workspace bytes during CUDA graph capture but the cached workspace "
+                f"holds {0 if buf is None else buf.numel()}; pass workspace= or call "
+                "flash_kda.reserve_workspace(flash_kda.workspace_bytes(q, cu_seqlens), q.device) before capture"
+            )
+        size = -(-nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
+        _workspaces.pop(key, None)  # free the old buffer before allocating its replacement
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        _workspaces[key] = buf
+        return buf
+
+
+def reserve_workspace(nbytes: int, device: torch.device | str | int | None = None) -> torch.Tensor:
+    """Grows the cached workspace of ``device``'s current stream to at least ``nbytes`` and returns it.
+
+    Call before CUDA graph capture with the largest ``workspace_bytes(q, cu_seqlens)`` the graph will see, so
+    that ``fwd`` allocates nothing while capturing (or pass ``workspace=`` to ``fwd`` instead).
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes=}")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if isinstance(device, torch.device) and device.type != "cuda":
+        raise ValueError(f"reserve_workspace needs a CUDA device, got {device=}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cached_workspace(device, int(nbytes))

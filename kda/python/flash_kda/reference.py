@@ -1,0 +1,241 @@
+"""Float64 ground truth for the KDA forward (SPEC §1), on the device of the inputs (CPU or CUDA).
+
+Two forms of the same function:
+- ``reference_loop``: the token recurrence of SPEC §1, literally, one token at a time.
+- ``reference_chunked``: the chunked algebra of SPEC §2 (exact, not an approximation), sequential only over
+  chunks, so it is fast enough for 1M-token sequences on a GPU; it agrees with the loop to ~1e-12.
+
+Both are vectorised over heads and sequences: sequences are laid side by side and padded to a common length
+with "inert" tokens (k̂ = q̂ = v = 0, β = 0, decay 1), which leave the state unchanged and whose outputs are
+dropped. Both return ``(out, final_state)`` in float64: out [B, T, H, V], final_state [N, H, V, K].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["reference_loop", "reference_chunked", "l2_normalize", "gate", "NORM_EPS"]
+
+NORM_EPS = 1e-6  # inside the square root: q̂ = q / sqrt(Σq² + eps)
+_F64 = torch.float64
+_BLOCK_TOKEN_HEADS = 1 << 16  # token-heads prepared at once (bounds memory for 1M-token inputs)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(Σ x² + 1e-6) over the last dim, in float64."""
+    x = x.to(_F64)
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + NORM_EPS)
+
+
+def gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """Natural-log decay λ = lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h])), float64, g [..., H, K]."""
+    H, K = g.shape[-2:]
+    a = torch.exp(A_log.to(_F64)).reshape(H, 1)
+    return lower_bound * torch.sigmoid(a * (g.to(_F64) + dt_bias.to(_F64).reshape(H, K)))
+
+
+@dataclass
+class _Problem:
+    """The inputs flattened to tokens [B*T, H, D] plus the sequence layout."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    scale: float
+    lower_bound: float
+    shape: tuple[int, int, int, int, int]  # B, T, H, K, V
+    starts: list[int]  # first token of each sequence in the flattened token axis
+    lengths: list[int]
+    state: torch.Tensor  # float64 [N, H, V, K]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def token_index(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flattened token index [N, t1 - t0] of local positions t0..t1-1 of every sequence, and its mask."""
+        local = torch.arange(t0, t1, device=self.device)
+        starts = torch.tensor(self.starts, device=self.device).unsqueeze(1)
+        lengths = torch.tensor(self.lengths, device=self.device).unsqueeze(1)
+        valid = local.unsqueeze(0) < lengths
+        return torch.where(valid, starts + local.unsqueeze(0), 0), valid
+
+    def gather(self, t0: int, t1: int) -> dict[str, torch.Tensor]:
+        """Float64 prepared tokens t0..t1-1 of every sequence, [N, H, L, D] (β: [N, H, L]); padding is inert."""
+        idx, m = self.token_index(t0, t1)
+        return {
+            "q": _masked(l2_normalize(self.q[idx]), m),
+            "k": _masked(l2_normalize(self.k[idx]), m),
+            "v": _masked(self.v[idx].to(_F64), m),
+            "lam": _masked(gate(self.g[idx], self.A_log, self.dt_bias, self.lower_bound), m),
+            "beta": _masked(torch.sigmoid(self.beta[idx].to(_F64)), m),
+        }
+
+    def scatter(self, out: torch.Tensor, t0: int, t1: int, o: torch.Tensor) -> None:
+        """Writes o [N, H, L, V] (tokens t0..t1-1 of every sequence) into out [B*T, H, V], dropping padding."""
+        idx, valid = self.token_index(t0, t1)
+        out[idx[valid]] = o.transpose(1, 2)[valid]
+
+
+def _masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """[N, L, H, ...] float64, zeroed where the mask [N, L] is False (where, not *, so NaNs cannot leak from
+    the token that padding indices point at), moved to [N, H, L, ...]."""
+    x = torch.where(m.reshape(*m.shape, *([1] * (x.dim() - 2))), x, 0.0)
+    return x.transpose(1, 2)
+
+
+def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens) -> _Problem:
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        starts, lengths = [b * T for b in range(B)], [T] * B
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires B == 1, got {q.shape=}")
+        from flash_kda.api import check_cu_seqlens  # noqa: PLC0415
+
+        check_cu_seqlens(cu_seqlens, T)  # the reference may synchronise; malformed input is a test bug
+        cu = cu_seqlens.tolist()
+        starts, lengths = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
+    N = len(lengths)
+    if initial_state is None:
+        state = torch.zeros(N, H, V, K, dtype=_F64, device=q.device)
+    else:
+        if tuple(initial_state.shape) != (N, H, V, K):
+            raise ValueError(f"initial_state must be [N, H, V, K] = {[N, H, V, K]}, got {initial_state.shape=}")
+        state = initial_state.to(_F64).clone()
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    return _Problem(
+        q=flat(q), k=flat(k), v=flat(v), g=flat(g), beta=flat(beta), A_log=A_log, dt_bias=dt_bias,
+        scale=float(scale), lower_bound=float(lower_bound), shape=(B, T, H, K, V), starts=starts,
+        lengths=lengths, state=state,
+    )  # fmt: skip
+
+
+def reference_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA recurrence of SPEC §1 in float64, one token at a time (all sequences and heads at once).
+
+    For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t).
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | q, k, g | any float | [B, T, H, K] | queries, keys, raw gate |
+    | v | any float | [B, T, H, V] | values |
+    | beta | any float | [B, T, H] | beta logits |
+    | scale, lower_bound | float | — | output scale; gate lower bound |
+    | A_log | any float | [H] | log-gate parameter |
+    | dt_bias | any float | [H, K] or [H*K] | gate bias |
+    | initial_state | None / any float | [N, H, V, K] | initial state (None: zeros) |
+    | cu_seqlens | int | [N + 1] | optional sequence boundaries (B = 1); validated (synchronises) |
+
+    Returns (out float64 [B, T, H, V], final_state float64 [N, H, V, K]) on the inputs' device.
+    """
+    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
+    B, T, H, K, V = p.shape
+    out = torch.zeros(B * T, H, V, dtype=_F64, device=p.device)
+    S = p.state
+    L = max(p.lengths, default=0)
+    block = max(1, _BLOCK_TOKEN_HEADS // max(1, len(p.lengths) * H))
+    for t0 in range(0, L, block):
+        t1 = min(L, t0 + block)
+        x = p.gather(t0, t1)
+        o = torch.empty(S.shape[0], H, t1 - t0, V, dtype=_F64, device=p.device)
+        for t in range(t1 - t0):
+            kt = x["k"][:, :, t]  # [N, H, K]
+            S = S * torch.exp(x["lam"][:, :, t]).unsqueeze(-2)  # decay each column k of S
+            r = x["v"][:, :, t] - (S @ kt.unsqueeze(-1)).squeeze(-1)  # [N, H, V]
+            S = S + x["beta"][:, :, t, None, None] * r.unsqueeze(-1) * kt.unsqueeze(-2)
+            o[:, :, t] = (S @ (p.scale * x["q"][:, :, t]).unsqueeze(-1)).squeeze(-1)
+        p.scatter(out, t0, t1, o)
+    return out.reshape(B, T, H, V), S
+
+
+def reference_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    chunk: int = 64,
+    base2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same function as ``reference_loop``, by the chunked algebra of SPEC §2 in float64.
+
+    Per chunk of C tokens with G = cumsum of the gates inside the chunk and Γ its last row:
+    Kd = k̂⊙e^G, Qd = scale·q̂⊙e^G, Ki = k̂⊙e^-G, Kr = Ki⊙e^Γ, A = β·strict_lower(Kd Kiᵀ),
+    M = lower_incl_diag(Qd Kiᵀ), U = (I + A)⁻¹ (β⊙(V − Kd Sᵀ)), O = Qd Sᵀ + M U, S ← S⊙e^Γ + Uᵀ Kr.
+    Everything but the S recurrence is computed for a block of chunks at once; only the chunk loop is sequential.
+
+    Arguments as ``reference_loop``, plus:
+
+    | arg | type | meaning |
+    |---|---|---|
+    | chunk | int | C, tokens per chunk, 1..128 (e^{±G} must stay inside float64: |lower_bound|·C < ~700) |
+    | base2 | bool | compute the gates in base 2 (γ = λ·log2 e, 2^G) as the kernel does; same result |
+
+    Returns (out float64 [B, T, H, V], final_state float64 [N, H, V, K]) on the inputs' device.
+    """
+    if not 1 <= chunk <= 128:
+        raise ValueError(f"chunk must be in [1, 128] (e^{{±G}} must not overflow float64), got {chunk=}")
+    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
+    B, T, H, K, V = p.shape
+    N = len(p.lengths)
+    C = chunk
+    exp = torch.exp2 if base2 else torch.exp
+    out = torch.zeros(B * T, H, V, dtype=_F64, device=p.device)
+    S = p.state
+    L = -(-max(p.lengths, default=0) // C) * C
+    block = max(1, _BLOCK_TOKEN_HEADS // max(1, N * H * C)) * C
+    eye = torch.eye(C, dtype=_F64, device=p.device)
+    lower = torch.ones(C, C, dtype=torch.bool, device=p.device).tril()
+    strict = lower.clone().fill_diagonal_(False)
+    for t0 in range(0, L, block):
+        t1 = min(L, t0 + block)
+        nc = (t1 - t0) // C
+        x = {name: t.unflatten(2, (nc, C)) for name, t in p.gather(t0, t1).items()}  # [N, H, nc, C, ...]
+        lam = x["lam"] * math.log2(math.e) if base2 else x["lam"]
+        G = lam.cumsum(-2)
+        Gam = G[..., -1, :]  # [N, H, nc, K]
+        Kd = x["k"] * exp(G)
+        Qd = p.scale * x["q"] * exp(G)
+        Ki = x["k"] * exp(-G)
+        Kr = Ki * exp(Gam).unsqueeze(-2)
+        beta_ = x["beta"].unsqueeze(-1)  # [N, H, nc, C, 1]
+        A = beta_ * torch.where(strict, Kd @ Ki.transpose(-1, -2), 0.0)
+        M = torch.where(lower, Qd @ Ki.transpose(-1, -2), 0.0)
+        INV = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+        decay = exp(Gam).unsqueeze(-2)  # [N, H, nc, 1, K]
+        O = torch.empty(N, H, nc, C, V, dtype=_F64, device=p.device)
+        for j in range(nc):
+            St = S.transpose(-1, -2)  # [N, H, K, V]
+            U = INV[:, :, j] @ (beta_[:, :, j] * (x["v"][:, :, j] - Kd[:, :, j] @ St))
+            O[:, :, j] = Qd[:, :, j] @ St + M[:, :, j] @ U
+            S = S * decay[:, :, j] + U.transpose(-1, -2) @ Kr[:, :, j]
+        p.scatter(out, t0, t1, O.flatten(2, 3))
+    return out.reshape(B, T, H, V), S

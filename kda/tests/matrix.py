@@ -1,0 +1,282 @@
+"""The correctness matrix of SPEC §4 as data: one frozen ``Case`` per test case, grouped in named slices.
+
+Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them in pytest):
+- ``smoke``: one small fixed-seed case, the quick sanity run.
+- ``fixed_h1_h4``, ``fixed_h32``, ``fixed_h96``: B = 1, T in FIXED_T, every state configuration.
+- ``varlen``: cu_seqlens with VARLEN_SEQLENS × H {1, 4, 96} × state configuration.
+- ``batched``: B > 1 with (B, T) in BATCHED_BT × H {1, 4, 96} × state configuration.
+- ``long_context``: T 131072 and 1048576 (H = 1), varlen [131072] and [524288, 524288]; in+out bf16 state.
+- ``adversarial``: extreme gates, biases and beta logits, near-collinear keys, lower_bound at both ends,
+  zero-length sequences, T = 0, int32 cu_seqlens, in-place state.
+
+A state configuration is (state_io, state_dtype): state_io in STATE_IO, state dtype bf16 or fp32 ("none" for
+no_state, where no state tensor exists so the dtype has no meaning and is not repeated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass
+
+STATE_IO = ("in+out", "in_only", "out_only", "no_state")
+STATE_DTYPES = ("bf16", "fp32")
+FIXED_T = (16, 64, 256, 1024, 4096, 8192, 17, 37, 97)
+VARLEN_SEQLENS = (
+    (16,),
+    (16, 16),
+    (4, 8, 12),
+    (64, 128, 256),
+    (1300, 547, 2048, 963, 271, 3063),
+    (1024,) * 8,
+    (20, 50, 100),
+    (17, 33, 65),
+)
+BATCHED_BT = ((2, 64), (2, 1024), (4, 256), (8, 128))
+VARLEN_H = (1, 4, 96)
+SLICES = ("smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial")
+
+# Input recipes of the adversarial slice (``Case.inputs``); "random" is the default everywhere.
+INPUT_RECIPES = (
+    "random",
+    "g=+8",  # g constant +8: gate saturates at lower_bound (fastest decay)
+    "g=-8",  # g constant -8: gate ~0 (almost no decay, the state accumulates)
+    "dt_bias=+8",
+    "dt_bias=-8",
+    "collinear_k",  # keys nearly parallel: I + A is close to singular-looking; an fp16 Neumann series NaNs here
+    "beta=+10",  # beta ≈ 1
+    "beta=-10",  # beta ≈ 0
+    "beta=±10",  # random signs: each token either writes fully or not at all
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test case: the shapes, the state configuration, the input recipe and the seed."""
+
+    slice: str
+    H: int
+    T: int = 0  # tokens per row (fixed/batched); the packed total for varlen
+    B: int = 1
+    seqlens: tuple[int, ...] | None = None  # varlen (cu_seqlens given) when not None
+    state_io: str = "in+out"
+    state_dtype: str = "bf16"  # "bf16" / "fp32" / "none" (no_state)
+    lower_bound: float = -5.0
+    inputs: str = "random"
+    cu_seqlens_int32: bool = False
+    inplace_state: bool = False  # final_state is the same tensor as initial_state
+    seed: int = -1  # -1: derived from the id
+
+    def __post_init__(self) -> None:
+        if self.seqlens is not None:
+            object.__setattr__(self, "T", sum(self.seqlens))
+        if self.state_io == "no_state":
+            object.__setattr__(self, "state_dtype", "none")
+        if self.seed < 0:
+            object.__setattr__(self, "seed", zlib.crc32(self.id.encode()))
+        assert self.slice in SLICES, self.slice
+        assert self.state_io in STATE_IO, self.state_io
+        assert self.inputs in INPUT_RECIPES, self.inputs
+        assert not self.inplace_state or self.state_io == "in+out"
+
+    @property
+    def varlen(self) -> bool:
+        return self.seqlens is not None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqlens) if self.varlen else self.B
+
+    @property
+    def has_initial(self) -> bool:
+        return self.state_io in ("in+out", "in_only")
+
+    @property
+    def has_final(self) -> bool:
+        return self.state_io in ("in+out", "out_only")
+
+    @property
+    def tokens(self) -> int:
+        return self.B * self.T
+
+    @property
+    def id(self) -> str:
+        if self.varlen:
+            seqs = ",".join(map(str, self.seqlens))
+            if len(self.seqlens) > 4 and len(set(self.seqlens)) == 1:  # [1024]*8 -> [1024x8]
+                seqs = f"{self.seqlens[0]}x{len(self.seqlens)}"
+            shape = f"varlen_[{seqs}]_H{self.H}"
+        elif self.B > 1:
+            shape = f"B{self.B}_T{self.T}_H{self.H}"
+        else:
+            shape = f"H{self.H}_T{self.T}"
+        extras = []
+        if self.inputs != "random":
+            extras.append(self.inputs)
+        if self.lower_bound != -5.0:
+            extras.append(f"lb={self.lower_bound:g}")
+        if self.cu_seqlens_int32:
+            extras.append("cu=int32")
+        if self.inplace_state:
+            extras.append("inplace")
+        if self.slice in ("smoke", "adversarial"):  # their shapes recur in other slices
+            extras.insert(0, "adv" if self.slice == "adversarial" else "smoke")
+        prefix = "".join(f"{x}_" for x in extras)
+        return f"{prefix}{shape}_state_dtype={self.state_dtype}[{self.state_io}]"
+
+
+def _state_configs() -> list[tuple[str, str]]:
+    configs = [(io, dt) for io in STATE_IO if io != "no_state" for dt in STATE_DTYPES]
+    return configs + [("no_state", "none")]
+
+
+def _fixed(slice_: str, heads: tuple[int, ...]) -> list[Case]:
+    return [
+        Case(slice_, H=h, T=t, state_io=io, state_dtype=dt)
+        for h in heads
+        for t in FIXED_T
+        for io, dt in _state_configs()
+    ]
+
+
+def _varlen() -> list[Case]:
+    return [
+        Case("varlen", H=h, seqlens=s, state_io=io, state_dtype=dt)
+        for s in VARLEN_SEQLENS
+        for h in VARLEN_H
+        for io, dt in _state_configs()
+    ]
+
+
+def _batched() -> list[Case]:
+    return [
+        Case("batched", H=h, B=b, T=t, state_io=io, state_dtype=dt)
+        for b, t in BATCHED_BT
+        for h in VARLEN_H
+        for io, dt in _state_configs()
+    ]
+
+
+def _long_context() -> list[Case]:
+    return [
+        Case("long_context", H=1, T=131072),
+        Case("long_context", H=1, T=1048576),
+        Case("long_context", H=1, seqlens=(131072,)),
+        Case("long_context", H=1, seqlens=(524288, 524288)),
+    ]
+
+
+def _adversarial() -> list[Case]:
+    cases = []
+    for recipe in INPUT_RECIPES[1:]:
+        for dt in STATE_DTYPES:
+            cases.append(Case("adversarial", H=4, T=97, inputs=recipe, state_dtype=dt))
+        cases.append(Case("adversarial", H=4, seqlens=(17, 33, 65), inputs=recipe))
+    for lb in (-5.0, -1e-3, 0.0):
+        cases.append(Case("adversarial", H=4, T=256, lower_bound=lb))
+        cases.append(Case("adversarial", H=4, T=256, lower_bound=lb, inputs="g=+8", state_dtype="fp32"))
+    for seqlens in ((0, 16, 0, 33, 0), (0,), (0, 0), (5, 0), (0, 1), (1,), (16, 0, 17)):
+        for io, dt in _state_configs():
+            cases.append(Case("adversarial", H=4, seqlens=seqlens, state_io=io, state_dtype=dt))
+    for b in (1, 2):
+        for io, dt in _state_configs():
+            cases.append(Case("adversarial", H=4, B=b, T=0, state_io=io, state_dtype=dt))
+    for dt in STATE_DTYPES:
+        cases.append(Case("adversarial", H=4, seqlens=(20, 50, 100), cu_seqlens_int32=True, state_dtype=dt))
+        cases.append(Case("adversarial", H=4, T=97, inplace_state=True, state_dtype=dt))
+        cases.append(Case("adversarial", H=4, seqlens=(16, 0, 37), inplace_state=True, state_dtype=dt))
+    return cases
+
+
+def all_cases() -> list[Case]:
+    cases = [Case("smoke", H=4, T=97, seed=0)]
+    cases += _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
+    cases += _varlen() + _batched() + _long_context() + _adversarial()
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids)), "case ids must be unique"
+    return cases
+
+
+def cases(slices: str | None = None) -> list[Case]:
+    """The cases of the given comma-separated slices (all of them for None, "" or "all")."""
+    if not slices or slices == "all":
+        return all_cases()
+    wanted = set(slices.split(","))
+    unknown = wanted - set(SLICES)
+    if unknown:
+        raise ValueError(f"unknown slice(s) {sorted(unknown)}; slices are {list(SLICES)}")
+    return [c for c in all_cases() if c.slice in wanted]
+
+
+def replace(case: Case, **changes) -> Case:
+    """A copy of ``case`` with fields changed (the seed is re-derived unless given)."""
+    changes.setdefault("seed", -1)
+    return dataclasses.replace(case, **changes)
+
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def make_inputs(case: Case, device) -> dict:
+    """Inputs of ``case`` on ``device`` (generated there, from the case's seed), with NaN-poisoned outputs.
+
+    Returns a dict with the ``flash_kda.fwd`` arguments: q, k, v, g, beta, scale, out, A_log, dt_bias,
+    lower_bound, initial_state, final_state, cu_seqlens. Distributions follow fla's KDA tests: bf16 randn
+    q/k/v/g/beta (beta as logits), fp32 randn A_log [H] and dt_bias [H, K], an fp32 randn initial state cast to
+    the state dtype. ``out`` and ``final_state`` are NaN-filled so unwritten elements fail loudly.
+    """
+    import torch  # noqa: PLC0415 -- the data above is importable without torch
+
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(case.seed)
+    B, T, H, D = case.B, case.T, case.H, 128
+    bf16 = torch.bfloat16
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q, k, v, g = (randn(B, T, H, D, dtype=bf16) for _ in range(4))
+    beta = randn(B, T, H, dtype=bf16)
+    A_log = randn(H)
+    dt_bias = randn(H, D)
+    recipe = case.inputs
+    if recipe.startswith("g="):
+        g.fill_(float(recipe[2:]))
+    elif recipe.startswith("dt_bias="):
+        dt_bias.fill_(float(recipe[8:]))
+    elif recipe == "collinear_k":
+        # One direction per head plus noise below bf16's resolution: many keys round to the same vector.
+        k = (randn(1, 1, H, D) + 1e-3 * randn(B, T, H, D)).to(bf16)
+    elif recipe == "beta=±10":
+        beta = (10 * torch.sign(randn(B, T, H))).to(bf16)
+    elif recipe.startswith("beta="):
+        beta.fill_(float(recipe[5:]))
+    state_dtype = getattr(torch, DTYPES[case.state_dtype]) if case.state_dtype != "none" else None
+    N = case.num_seqs
+    initial_state = randn(N, H, D, D, dtype=state_dtype) if case.has_initial else None
+    if case.inplace_state:
+        final_state = initial_state
+    elif case.has_final:
+        final_state = torch.full((N, H, D, D), float("nan"), dtype=state_dtype, device=device)
+    else:
+        final_state = None
+    cu_seqlens = None
+    if case.varlen:
+        cu = [0]
+        for n in case.seqlens:
+            cu.append(cu[-1] + n)
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32 if case.cu_seqlens_int32 else torch.int64, device=device)
+    return dict(
+        q=q, k=k, v=v, g=g, beta=beta, scale=D**-0.5, out=torch.full_like(v, float("nan")), A_log=A_log,
+        dt_bias=dt_bias, lower_bound=case.lower_bound, initial_state=initial_state, final_state=final_state,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens")
+
+
+def twin_args(inputs: dict) -> dict:
+    """The keyword arguments of numerics.twin_forward / cpu_forward / reference_* for ``inputs``."""
+    keys = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
+    return {name: inputs[name] for name in keys}

@@ -1,0 +1,129 @@
+"""``flash_kda.fwd`` on CPU tensors (the fp32 chunked path) against the float64 ground truth (CPU; runs in CI).
+
+Cases cover fixed lengths with partial chunks, varlen with empty sequences, B > 1, T = 0, every state I/O and
+state dtype, and the adversarial input recipes. Every case NaN-poisons out/final_state, checks the inputs are
+unchanged, and bounds the errors against float64.
+
+Bounds, from measurement (this machine, torch 2.13 CPU, ~100 cases incl. every adversarial recipe of matrix.py
+with ≤ 512 tokens): the fp32 path's own error is far below bf16 resolution (fp32 final_state vs float64:
+worst 3.4e-7 relative L2), so the bf16 output's error is the error of rounding the exact output to bf16 (the
+"floor", ≈1.66e-3) times at most 1.0000001; the same holds for windows and for a bf16 final_state. Hence:
+out / windows / bf16 state ≤ FLOOR_FACTOR × floor, fp32 state ≤ FP32_STATE_REL_L2 (≈3× the worst measured).
+"""
+
+from __future__ import annotations
+
+import matrix
+import pytest
+import torch
+
+import flash_kda
+from flash_kda import compare, reference
+
+FLOOR_FACTOR = 1.01  # measured worst ratio to the bf16-rounding floor: 1.0000001
+FP32_STATE_REL_L2 = 1e-6  # measured worst: 3.4e-7
+WINDOW = 32  # tokens per window: short, so per-window errors of short sequences are seen
+
+FWD_NAMES = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound", "initial_state",
+             "final_state", "cu_seqlens")  # fmt: skip
+
+
+def _configs():
+    return [(io, dt) for io in matrix.STATE_IO if io != "no_state" for dt in matrix.STATE_DTYPES] + [("no_state", "none")]
+
+
+CASES = (
+    [matrix.Case("smoke", H=4, T=97, seed=0)]
+    + [matrix.Case("fixed_h1_h4", H=h, T=t, state_io=io, state_dtype=dt)
+       for h in (1, 4) for t in (17, 64, 97) for io, dt in _configs()]
+    + [matrix.Case("fixed_h1_h4", H=4, T=1024, state_dtype=dt) for dt in matrix.STATE_DTYPES]
+    + [matrix.Case("varlen", H=4, seqlens=s, state_io=io, state_dtype=dt)
+       for s in ((16,), (16, 16), (4, 8, 12), (20, 50, 100), (17, 33, 65)) for io, dt in _configs()]
+    + [matrix.Case("varlen", H=2, seqlens=(1300, 547, 2048, 963, 271, 3063), state_dtype="fp32")]
+    + [matrix.Case("batched", H=h, B=b, T=t, state_io=io, state_dtype=dt)
+       for b, t, h in ((2, 64, 4), (4, 33, 1)) for io, dt in _configs()]
+    + [c for c in matrix.cases("adversarial") if c.tokens <= 512]
+)  # fmt: skip
+
+
+def run(case: matrix.Case) -> tuple[dict, dict]:
+    x = matrix.make_inputs(case, "cpu")
+    before = {n: x[n].clone() for n in matrix.INPUT_NAMES if x[n] is not None}
+    flash_kda.fwd(**{n: x[n] for n in FWD_NAMES})
+    return x, before
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_cpu_path_matches_float64(case: matrix.Case) -> None:
+    x, before = run(case)
+    for name, saved in before.items():
+        if name == "initial_state" and case.inplace_state:
+            continue  # it is final_state by design
+        assert torch.equal(x[name], saved), f"input {name} modified: {compare.bitwise_mismatch(x[name], saved)}"
+
+    args = {**matrix.twin_args(x), "initial_state": before.get("initial_state")}
+    ref_out, ref_state = reference.reference_chunked(**args)
+    report = compare.compare(x["out"], ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
+    floor = compare.compare(ref_out.to(torch.bfloat16), ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
+    report.check(rel_l2=FLOOR_FACTOR * floor.rel_l2, window_rel_l2=FLOOR_FACTOR * floor.window_rel_l2, name="out")
+    if case.has_final:
+        state = compare.compare(x["final_state"], ref_state)
+        if x["final_state"].dtype == torch.float32:
+            state.check(rel_l2=FP32_STATE_REL_L2, name="fp32 final_state")
+        else:
+            state_floor = compare.compare(ref_state.to(torch.bfloat16), ref_state).rel_l2
+            state.check(rel_l2=FLOOR_FACTOR * state_floor, name="bf16 final_state")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="fp32"),
+        matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="fp32"),
+        matrix.Case("batched", H=1, B=3, T=20, state_io="out_only", state_dtype="fp32"),
+    ],
+    ids=lambda c: c.id,
+)
+def test_cpu_path_matches_token_loop(case: matrix.Case) -> None:
+    """The literal recurrence (reference_loop) as the second witness, on small cases."""
+    x, before = run(case)
+    out, state = reference.reference_loop(**{**matrix.twin_args(x), "initial_state": before.get("initial_state")})
+    floor = compare.compare(out.to(torch.bfloat16), out).rel_l2
+    compare.compare(x["out"], out).check(rel_l2=FLOOR_FACTOR * floor, name="out")
+    compare.compare(x["final_state"], state).check(rel_l2=FP32_STATE_REL_L2, name="final_state")
+
+
+def test_no_final_state_writes_nothing_else() -> None:
+    """With final_state=None only out is written; every output element is written (no NaN left)."""
+    case = matrix.Case("fixed_h1_h4", H=2, T=37, state_io="in_only")
+    x, _ = run(case)
+    assert torch.isfinite(x["out"].float()).all()
+
+
+def test_empty_sequences_pass_state_through() -> None:
+    """An empty sequence's final state is its initial state, bit for bit (or zeros without one)."""
+    case = matrix.Case("adversarial", H=2, seqlens=(0, 5, 0), state_dtype="fp32")
+    x, before = run(case)
+    assert torch.equal(x["final_state"][0], before["initial_state"][0])
+    assert torch.equal(x["final_state"][2], before["initial_state"][2])
+    case = matrix.Case("adversarial", H=2, seqlens=(0, 5, 0), state_io="out_only", state_dtype="bf16")
+    x, _ = run(case)
+    assert torch.equal(x["final_state"][0], torch.zeros_like(x["final_state"][0]))
+
+
+def test_deterministic() -> None:
+    case = matrix.Case("varlen", H=2, seqlens=(20, 50, 100), state_dtype="fp32")
+    first, _ = run(case)
+    second, _ = run(case)
+    compare.assert_bitwise_equal(second["out"], first["out"], "out")
+    compare.assert_bitwise_equal(second["final_state"], first["final_state"], "final_state")
+
+
+def test_int32_cu_seqlens_same_as_int64() -> None:
+    base = matrix.Case("varlen", H=2, seqlens=(20, 50, 100), state_dtype="fp32")
+    x64, _ = run(base)
+    x = matrix.make_inputs(base, "cpu")
+    x["cu_seqlens"] = x["cu_seqlens"].to(torch.int32)
+    flash_kda.fwd(**{n: x[n] for n in FWD_NAMES})
+    compare.assert_bitwise_equal(x["out"], x64["out"], "out")
+    compare.assert_bitwise_equal(x["final_state"], x64["final_state"], "final_state")

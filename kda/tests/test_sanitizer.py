@@ -1,0 +1,80 @@
+"""compute-sanitizer memcheck and racecheck over a representative slice of forward calls (GPU).
+
+A child Python process runs small cases that reach the kernel's edge paths (a partial chunk, varlen with empty
+sequences, both state dtypes, no state, int32 cu_seqlens) under each tool; the test asserts exit code 0 and the
+tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
+0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
+/usr/local/cuda/bin; where it is absent the test is skipped (with KDA_REQUIRE_GPU=1 it fails instead).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# What each tool prints when it found nothing (racecheck has its own summary line).
+CLEAN = {
+    "memcheck": "ERROR SUMMARY: 0 errors",
+    "racecheck": "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)",
+}
+TIMEOUT_S = 900
+
+CHILD = textwrap.dedent(
+    """
+    import torch, matrix, flash_kda
+    cases = [
+        matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="bf16"),
+        matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="fp32"),
+        matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="bf16"),
+        matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="fp32", cu_seqlens_int32=True),
+        matrix.Case("adversarial", H=2, seqlens=(5, 17), state_io="no_state"),
+        matrix.Case("batched", H=1, B=2, T=20, state_io="out_only", state_dtype="fp32"),
+    ]
+    names = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound",
+             "initial_state", "final_state", "cu_seqlens")
+    for case in cases:
+        # Inputs made on the CPU: fewer foreign kernels under the sanitizer.
+        x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
+        flash_kda.fwd(**{n: x[n] for n in names})
+        torch.cuda.synchronize()
+        print("ran", case.id, flush=True)
+    """
+)
+
+
+def find_sanitizer() -> str | None:
+    candidates = [shutil.which("compute-sanitizer")]
+    if os.environ.get("KDA_CUDA_HOME"):
+        candidates.append(str(Path(os.environ["KDA_CUDA_HOME"]) / "bin" / "compute-sanitizer"))
+    candidates.append("/usr/local/cuda/bin/compute-sanitizer")
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+@pytest.mark.parametrize("tool", sorted(CLEAN))
+def test_compute_sanitizer(tool: str) -> None:
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        reason = "compute-sanitizer not found on PATH, in $KDA_CUDA_HOME/bin or /usr/local/cuda/bin"
+        if os.environ.get("KDA_REQUIRE_GPU", "") == "1":
+            pytest.fail(f"KDA_REQUIRE_GPU=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), *sys.path])
+    env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # exact allocations, so out-of-bounds accesses are visible
+    cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", CHILD]
+    print("running:", " ".join(cmd[:5]), "python -c <cases>", flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    tail = output[-6000:]
+    assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
+    assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
+    ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
+    assert len(ran) == 6, f"only {len(ran)} of 6 cases ran under {tool}:\n{tail}"

@@ -1,0 +1,378 @@
+"""Every validation error of ``flash_kda.fwd`` and its helpers, checked by type and message (CPU; runs in CI).
+
+fwd validates in the order arch → dtype → device → layout → shape → scalar values; each message names the
+argument and shows its offending value. The arch check is exercised by monkeypatching the capability seam.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import flash_kda
+from flash_kda import api
+
+B, T, H, D = 1, 5, 2, 128
+N = 1
+
+
+def inputs(*, B: int = B, T: int = T, H: int = H, state: torch.dtype | None = torch.float32) -> dict:
+    """A valid tiny CPU argument set for flash_kda.fwd."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    n = B
+    return dict(
+        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, H, D), g=randn(B, T, H, D),
+        beta=randn(B, T, H), scale=D**-0.5, out=torch.empty(B, T, H, D, dtype=torch.bfloat16),
+        A_log=randn(H, dtype=torch.float32), dt_bias=randn(H, D, dtype=torch.float32), lower_bound=-5.0,
+        initial_state=None if state is None else randn(n, H, D, D, dtype=state),
+        final_state=None if state is None else torch.empty(n, H, D, D, dtype=state),
+        cu_seqlens=None,
+    )  # fmt: skip
+
+
+def varlen_inputs(seqlens=(2, 0, 3), cu_dtype=torch.int64) -> dict:
+    x = inputs(T=sum(seqlens))
+    n = len(seqlens)
+    cu = [0]
+    for s in seqlens:
+        cu.append(cu[-1] + s)
+    x["cu_seqlens"] = torch.tensor(cu, dtype=cu_dtype)
+    x["initial_state"] = torch.randn(n, H, D, D)
+    x["final_state"] = torch.empty(n, H, D, D)
+    return x
+
+
+def raises(exc: type[Exception], pattern: str, **changes):
+    """Calls fwd with the valid inputs changed as given and asserts exc with a message matching pattern."""
+    x = {**inputs(), **changes}
+    with pytest.raises(exc, match=pattern):
+        flash_kda.fwd(**x)
+
+
+# --- arch ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), (9, 1)])
+def test_arch_other_than_sm90_is_refused(monkeypatch, capability):
+    monkeypatch.setattr(api, "_device_capability", lambda device: capability)
+    with pytest.raises(RuntimeError, match=re.escape(f"capability {capability}")) as info:
+        api._check_arch(torch.device("cuda", 1))
+    assert "cuda:1" in str(info.value) and "sm_90a" in str(info.value)
+
+
+def test_arch_sm90_is_accepted(monkeypatch):
+    monkeypatch.setattr(api, "_device_capability", lambda device: (9, 0))
+    api._check_arch(torch.device("cuda", 0))
+
+
+def test_arch_is_not_checked_for_cpu_tensors(monkeypatch):
+    def boom(device):
+        raise AssertionError("capability queried for CPU tensors")
+
+    monkeypatch.setattr(api, "_device_capability", boom)
+    with pytest.raises(TypeError, match="q must be bfloat16"):
+        flash_kda.fwd(**{**inputs(), "q": inputs()["q"].float()})
+
+
+@pytest.mark.gpu
+def test_arch_checked_first_on_cuda(monkeypatch):
+    """On a CUDA device reporting another capability, fwd refuses before any other check."""
+    monkeypatch.setattr(api, "_device_capability", lambda device: (8, 0))
+    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in inputs().items()}
+    x["k"] = x["k"].float()  # a dtype error too: arch must win
+    with pytest.raises(RuntimeError, match=r"capability \(8, 0\)"):
+        flash_kda.fwd(**x)
+
+
+# --- dtype -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "out"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_bf16_arguments(name, dtype):
+    raises(TypeError, rf"{name} must be bfloat16, got {name}.dtype=torch.{str(dtype)[6:]}", **{name: inputs()[name].to(dtype)})
+
+
+@pytest.mark.parametrize("name", ["A_log", "dt_bias"])
+def test_fp32_arguments(name):
+    raises(TypeError, rf"{name} must be float32, got {name}.dtype=torch.bfloat16", **{name: inputs()[name].bfloat16()})
+
+
+@pytest.mark.parametrize("name", ["initial_state", "final_state"])
+def test_state_dtype(name):
+    raises(TypeError, rf"{name} must be bfloat16 or float32, got {name}.dtype=torch.float16", **{name: inputs()[name].half()})
+
+
+def test_state_dtypes_must_match():
+    raises(
+        TypeError,
+        r"initial_state and final_state must have one dtype, got initial_state.dtype=torch.bfloat16 "
+        r"final_state.dtype=torch.float32",
+        initial_state=inputs()["initial_state"].bfloat16(),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8])
+def test_cu_seqlens_dtype(dtype):
+    x = varlen_inputs()
+    x["cu_seqlens"] = x["cu_seqlens"].to(dtype)
+    with pytest.raises(TypeError, match=rf"cu_seqlens must be int64 or int32, got cu_seqlens.dtype=torch.{str(dtype)[6:]}"):
+        flash_kda.fwd(**x)
+
+
+def test_not_a_tensor():
+    raises(TypeError, r"q must be a torch.Tensor or None, got type\(t\)=<class 'list'>", q=[1.0])
+
+
+@pytest.mark.parametrize("name", ["q", "out", "A_log", "dt_bias"])
+def test_required_arguments(name):
+    raises(TypeError, rf"{name} is required, got {name}=None", **{name: None})
+
+
+# --- device ----------------------------------------------------------------------------------------------
+
+
+def test_meta_device_is_refused():
+    x = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in inputs().items()}
+    with pytest.raises(ValueError, match=r"tensors must be on a CUDA or CPU device, got q.device=device\(type='meta'\)"):
+        flash_kda.fwd(**x)
+
+
+def test_device_mismatch():
+    raises(ValueError, r"all tensors must be on one device, got q.device=cpu but A_log.device=meta",
+           A_log=inputs()["A_log"].to("meta"))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["k", "out", "dt_bias", "final_state", "cu_seqlens"])
+def test_device_mismatch_cuda(name):
+    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in varlen_inputs().items()}
+    x[name] = x[name].cpu()
+    with pytest.raises(ValueError, match=rf"all tensors must be on one device, got q.device=cuda:0 but {name}.device=cpu"):
+        flash_kda.fwd(**x)
+
+
+# --- layout ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["q", "v", "beta", "out", "initial_state", "final_state"])
+def test_non_contiguous(name):
+    t = inputs()[name]
+    strided = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, column-major last two dims
+    assert not strided.is_contiguous()
+    raises(ValueError, rf"{name} must be contiguous, got {name}.stride\(\)={re.escape(str(strided.stride()))}", **{name: strided})
+
+
+def test_non_contiguous_dt_bias_slice():
+    wide = torch.zeros(H, 2 * D)
+    raises(ValueError, r"dt_bias must be contiguous, got dt_bias.stride\(\)=\(256, 1\)", dt_bias=wide[:, :D])
+
+
+# --- shape -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [64, 256])
+def test_head_dim_k_not_implemented(dim):
+    x = inputs()
+    for name in ("q", "k", "g"):
+        x[name] = torch.zeros(B, T, H, dim, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=rf"K = 128 only, got K={dim}"):
+        flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("dim", [64, 256])
+def test_head_dim_v_not_implemented(dim):
+    x = inputs()
+    x["v"] = torch.zeros(B, T, H, dim, dtype=torch.bfloat16)
+    x["out"] = torch.zeros(B, T, H, dim, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=rf"V = 128 only, got V={dim}"):
+        flash_kda.fwd(**x)
+
+
+def test_q_must_be_4d():
+    raises(ValueError, r"q must be \[B, T, H, K\], got q.shape=torch.Size\(\[5, 2, 128\]\)", q=inputs()["q"][0])
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("k", (B, T + 1, H, D)),
+        ("g", (B, T, H + 1, D)),
+        ("v", (B, T, H + 1, D)),
+        ("out", (B, T + 1, H, D)),
+        ("beta", (B, T, H, 1)),
+        ("beta", (B, T)),
+        ("A_log", (H, 1)),
+        ("A_log", (H + 1,)),
+    ],
+)
+def test_shapes(name, shape):
+    dtype = inputs()[name].dtype
+    raises(ValueError, rf"{name} must have shape .*got {name}.shape={re.escape(str(shape))}", **{name: torch.zeros(shape, dtype=dtype)})
+
+
+@pytest.mark.parametrize("shape", [(H, D + 1), (H + 1, D), (H * D + 1,), (1, H, D)])
+def test_dt_bias_shape(shape):
+    raises(ValueError, rf"dt_bias must have shape \[{H}, {D}\].*got dt_bias.shape=torch.Size\({re.escape(str(list(shape)))}\)",
+           dt_bias=torch.zeros(shape))  # fmt: skip
+
+
+def test_dt_bias_flat_is_accepted(monkeypatch):
+    _stub_cpu_forward(monkeypatch)
+    x = inputs()
+    x["dt_bias"] = x["dt_bias"].flatten()
+    flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("name", ["initial_state", "final_state"])
+@pytest.mark.parametrize("shape", [(N + 1, H, D, D), (N, H + 1, D, D), (N, H, D, D // 2), (H, D, D)])
+def test_state_shape(name, shape):
+    dtype = inputs()[name].dtype
+    raises(ValueError, rf"{name} must have shape \[N, H, V, K\] = \[{N}, {H}, {D}, {D}\], got {name}.shape={re.escape(str(shape))}",
+           **{name: torch.zeros(shape, dtype=dtype)})  # fmt: skip
+
+
+def test_state_shape_varlen_counts_sequences():
+    x = varlen_inputs((2, 3))
+    x["final_state"] = torch.zeros(1, H, D, D)
+    with pytest.raises(ValueError, match=r"final_state must have shape \[N, H, V, K\] = \[2, 2, 128, 128\]"):
+        flash_kda.fwd(**x)
+
+
+def test_cu_seqlens_requires_b1():
+    x = inputs(B=2)
+    x["cu_seqlens"] = torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match=r"cu_seqlens requires B == 1 .*got B=2"):
+        flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("cu", [torch.tensor([0]), torch.tensor([[0, 5]]), torch.zeros(0, dtype=torch.int64)])
+def test_cu_seqlens_shape(cu):
+    raises(ValueError, rf"cu_seqlens must be 1-D \[N \+ 1\] with N >= 1, got cu_seqlens.shape={re.escape(str(cu.shape))}", cu_seqlens=cu)
+
+
+# --- scalar values -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0001, -6, 0.5, 1e-9, math.nan, math.inf, -math.inf, None, "x", True])
+def test_lower_bound_range(lower_bound):
+    raises(ValueError, rf"lower_bound must be a finite number in \[-5.0, 0.0\], got lower_bound={re.escape(repr(lower_bound))}",
+           lower_bound=lower_bound)  # fmt: skip
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, None, torch.tensor(1.0)])
+def test_scale_finite(scale):
+    raises(ValueError, r"scale must be a finite real number, got scale=", scale=scale)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -5, -1e-3, 0.0, 0])
+def test_lower_bound_edges_accepted(monkeypatch, lower_bound):
+    _stub_cpu_forward(monkeypatch)
+    flash_kda.fwd(**{**inputs(), "lower_bound": lower_bound})
+
+
+# --- cu_seqlens contents (CPU: validated inline; anywhere: check_cu_seqlens) ------------------------------
+
+
+BAD_CU = [
+    ([1, 3, 5], r"cu_seqlens\[0\] must be 0, got 1"),
+    ([0, 4, 2, 5], r"cu_seqlens must be non-decreasing, got cu_seqlens\[1\]=4 > cu_seqlens\[2\]=2"),
+    ([0, 2, 4], r"cu_seqlens\[-1\] must equal the number of tokens 5, got cu_seqlens\[-1\]=4"),
+    ([0, 2, 6], r"cu_seqlens\[-1\] must equal the number of tokens 5, got cu_seqlens\[-1\]=6"),
+    ([0, -1, 5], r"non-decreasing, got cu_seqlens\[0\]=0 > cu_seqlens\[1\]=-1"),
+]
+
+
+@pytest.mark.parametrize(("cu", "pattern"), BAD_CU)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_check_cu_seqlens(cu, pattern, dtype):
+    with pytest.raises(ValueError, match=pattern):
+        flash_kda.check_cu_seqlens(torch.tensor(cu, dtype=dtype), 5)
+
+
+@pytest.mark.parametrize(("cu", "pattern"), BAD_CU)
+def test_cpu_fwd_validates_cu_seqlens_contents(cu, pattern):
+    x = inputs()
+    n = len(cu) - 1
+    x["initial_state"] = torch.zeros(n, H, D, D)
+    x["final_state"] = torch.zeros(n, H, D, D)
+    x["cu_seqlens"] = torch.tensor(cu)
+    with pytest.raises(ValueError, match=pattern):
+        flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("cu", [[0, 5], [0, 0, 5], [0, 5, 5], [0, 2, 2, 5]])
+def test_check_cu_seqlens_accepts(cu):
+    flash_kda.check_cu_seqlens(torch.tensor(cu), 5)
+    flash_kda.check_cu_seqlens(torch.tensor(cu, dtype=torch.int32), 5)
+
+
+def test_check_cu_seqlens_types():
+    with pytest.raises(TypeError, match="cu_seqlens must be an int64 or int32 tensor"):
+        flash_kda.check_cu_seqlens(torch.tensor([0.0, 5.0]), 5)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D \[N \+ 1\] with N >= 1"):
+        flash_kda.check_cu_seqlens(torch.tensor([0]), 0)
+
+
+# --- workspace -------------------------------------------------------------------------------------------
+
+
+def test_workspace_must_be_uint8_on_q_device():
+    with pytest.raises(TypeError, match="workspace must be a uint8 tensor"):
+        flash_kda.fwd(**inputs(), workspace=torch.zeros(16, dtype=torch.float32))
+    with pytest.raises(ValueError, match="workspace must be on q's device"):
+        flash_kda.fwd(**inputs(), workspace=torch.zeros(16, dtype=torch.uint8, device="meta"))
+
+
+def test_reserve_workspace_refuses_cpu_and_negative():
+    with pytest.raises(ValueError, match=r"nbytes must be a non-negative int, got nbytes=-1"):
+        flash_kda.reserve_workspace(-1, "cpu")
+    with pytest.raises(ValueError, match=r"reserve_workspace needs a CUDA device, got device=device\(type='cpu'\)"):
+        flash_kda.reserve_workspace(16, "cpu")
+
+
+@pytest.mark.gpu
+def test_workspace_too_small():
+    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in inputs().items()}
+    need = flash_kda.workspace_bytes(x["q"])
+    with pytest.raises(ValueError, match=rf"workspace must hold at least {need} bytes for this call, got workspace.numel\(\)={need - 1}"):
+        flash_kda.fwd(**x, workspace=torch.empty(need - 1, dtype=torch.uint8, device="cuda"))
+
+
+# --- the extension is optional for import --------------------------------------------------------------
+
+
+def test_import_without_extension_and_clear_error(monkeypatch):
+    from flash_kda import _ext
+
+    monkeypatch.setattr(_ext, "_import", lambda: ImportError("No module named 'flash_kda._C'"))
+    assert not _ext.available()
+    with pytest.raises(ImportError, match=r"flash_kda._C \(the CUDA extension\) is not importable"):
+        _ext.build_info()
+
+
+def _stub_cpu_forward(monkeypatch):
+    """Replaces the CPU compute with zeros: these tests are about validation, not numerics."""
+
+    def fake(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None):
+        n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        return torch.zeros_like(v), torch.zeros(n, q.shape[2], v.shape[-1], q.shape[-1])
+
+    monkeypatch.setattr(api, "_cpu_forward", _wrap_cpu(fake))
+
+
+def _wrap_cpu(fake):
+    def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
+        o, s = fake(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
+        out.copy_(o)
+        if final_state is not None:
+            final_state.copy_(s)
+
+    return run

@@ -1,0 +1,24 @@
+"""The pinned wheels: ONE table for every artifact the repository rules fetch (name, version, sha256).
+
+The cache (tools/cuda/README.md) is keyed by the sha256 below; tools/offline reads this table too.
+`strip` is the directory inside the wheel that is unpacked, `dest` where it goes in the generated repository.
+"""
+
+CUDA_VERSION = "13.0.88"
+
+# CUDA 13.0 toolkit pieces; they all unpack into one nvidia/cu13/{bin,nvvm,include,lib} tree.
+CUDA_WHEELS = [
+    struct(name = "nvidia-cuda-nvcc", version = "13.0.88", sha256 = "56fe502eb77625a12f25172caa3cdddb4e4c8ba2c8c17dba44b164761b380f03", strip = "nvidia/cu13/", dest = ""),
+    struct(name = "nvidia-nvvm", version = "13.0.88", sha256 = "c5f41ffeb6466944a026dfa5317d7d85355c119bbec279205d22f1869d1054e0", strip = "nvidia/cu13/", dest = ""),
+    struct(name = "nvidia-cuda-crt", version = "13.0.88", sha256 = "2c8043c7c9e02492716426e9919fc78d2c5b3b2a7a768a88e952676b08aa55a4", strip = "nvidia/cu13/", dest = ""),
+    struct(name = "nvidia-cuda-runtime", version = "13.0.88", sha256 = "422a38f7c739ecbdd3a4b6ec7ed0a1d74db43d8e9bc26685f3d845638922b178", strip = "nvidia/cu13/", dest = ""),
+    struct(name = "nvidia-cuda-cccl", version = "13.0.85", sha256 = "e0da7ad981f3a8aff08241b5bfc1af868742a63e2762f53a5171c492ef242649", strip = "nvidia/cu13/", dest = ""),
+]
+
+PYBIND11_WHEEL = struct(name = "pybind11", version = "3.0.1", sha256 = "aa8f0aa6e0a94d3b64adfc38f560f33f15e589be2175e103c0a33c6bce55ee89", strip = "pybind11/include/", dest = "include/")
+
+# Not fetched by any repository rule yet (CUTLASS/CuTe headers for the KDA kernel); listed so the offline bundle
+# and a later repository rule share the pin.
+CUTLASS_WHEEL = struct(name = "nvidia-cutlass", version = "4.2.0.0", sha256 = "f9599ada45c7bcb6bf53f7d3f0a7d154183e53451c01bfa59eecd37dd4a693f6", strip = "cutlass_library/source/include/", dest = "include/")
+
+ALL_WHEELS = CUDA_WHEELS + [PYBIND11_WHEEL, CUTLASS_WHEEL]

@@ -1,0 +1,3 @@
+#!/bin/sh
+echo "coverage is not supported in this workspace (remote_coverage_tools is a stub)" >&2
+exit 0
