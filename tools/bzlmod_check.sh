@@ -107,11 +107,16 @@ EOF
   mkdir -p "${artifacts}" "${chroot_dir}${artifacts}"
   mount --bind "${artifacts}" "${chroot_dir}${artifacts}"
 
+  # pip settings, for a wheel that is not in the cache yet (the repository rules then run pip download).
+  passenv=()
+  while IFS= read -r -d '' kv; do
+    case "${kv}" in PIP_*=*|SSL_CERT_FILE=*|REQUESTS_CA_BUNDLE=*) passenv+=("${kv}") ;; esac
+  done < <(env -0)
+  [[ -f /etc/pip.conf ]] && cp /etc/pip.conf "${chroot_dir}/etc/pip.conf"
   in_chroot() {
     chroot "${chroot_dir}" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin LANG=C.UTF-8 TERM=dumb \
       USER=root CC=/usr/bin/gcc-14 CXX=/usr/bin/g++-14 \
-      KDA_PYTHON="${python}" KDA_ARTIFACT_CACHE="${artifacts}" \
-      $(env | grep -E '^(PIP_[A-Z_]+|SSL_CERT_FILE|REQUESTS_CA_BUNDLE)=' | tr '\n' ' ') \
+      KDA_PYTHON="${python}" KDA_ARTIFACT_CACHE="${artifacts}" "${passenv[@]}" \
       /bin/bash -c "$1"
   }
 
@@ -158,7 +163,7 @@ EOF
     return "${rc}"
   }
 
-  in_chroot "bazel --version" | sed 's/^/bzlmod_check: chroot: /' >&2
+  in_chroot "bazel --version" | grep . | sed 's/^/bzlmod_check: chroot: /' >&2
   echo "bzlmod_check: == bazel build ${KDA_BZLMOD_TARGETS:-//...} (Bazel 7, bzlmod) ==" >&2
   bazel_in_chroot build --keep_going "${KDA_BZLMOD_TARGETS:-//...}" || { in_chroot "cd ${src} && bazel shutdown" || true; exit 10; }
   # The build must have produced the CUDA library and the extension.

@@ -23,15 +23,15 @@ from flash_kda import compare, reference
 
 pytestmark = pytest.mark.gpu
 
-# Bounds against float64, ≈2–3× the worst errors measured on the H200 (2026-11-29, kernel built with
-# tools/dev/build_direct.sh, torch 2.11 / CUDA 13.0, all 608 cases of matrix.py): out 5.6e-3 (adversarial;
-# 4.9e-3 outside it), final_state 3.6e-3 (bf16) / 3.2e-3 (fp32), worst 256-token window 5.8e-3 (varlen [16,16]).
-# For scale: SPEC §5 measured MoonshotAI FlashKDA at out 5.7e-3 / state 4.8e-3, and rounding the exact output to
-# bf16 alone costs 1.66e-3. The lead re-measures through Bazel and tightens these (MEASURED tags).
+# Bounds against float64, about 2x the worst errors measured on the H200 (2026-11-29, torch 2.11 / CUDA 13.0,
+# all 608 cases of matrix.py): out 5.6e-3 (adversarial; 4.9e-3 outside it), final_state 3.6e-3 (bf16) /
+# 3.2e-3 (fp32), worst 256-token window 5.8e-3 (varlen [16,16]). The inputs are seeded by case id, so these are
+# reproducible numbers, not samples. For scale: SPEC §5 measured MoonshotAI FlashKDA at out 5.7e-3 / state 4.8e-3,
+# and rounding the exact output to bf16 alone costs 1.66e-3.
 OUT_REL_L2 = 1e-2  # MEASURED: worst 5.6e-3
-STATE_REL_L2 = 1e-2  # MEASURED: worst 3.6e-3
+STATE_REL_L2 = 7.5e-3  # MEASURED: worst 3.6e-3
 WINDOW = 256  # tokens per window (windows never cross sequence boundaries)
-WINDOW_REL_L2 = 1.5e-2  # MEASURED: worst 5.8e-3
+WINDOW_REL_L2 = 1.2e-2  # MEASURED: worst 5.8e-3
 _PROGRESS_TOKEN_HEADS = 1 << 20  # print stage timings for cases at least this big (long_context)
 
 

@@ -17,8 +17,4 @@ CUDA_WHEELS = [
 
 PYBIND11_WHEEL = struct(name = "pybind11", version = "3.0.1", sha256 = "aa8f0aa6e0a94d3b64adfc38f560f33f15e589be2175e103c0a33c6bce55ee89", strip = "pybind11/include/", dest = "include/")
 
-# Not fetched by any repository rule yet (CUTLASS/CuTe headers for the KDA kernel); listed so the offline bundle
-# and a later repository rule share the pin.
-CUTLASS_WHEEL = struct(name = "nvidia-cutlass", version = "4.2.0.0", sha256 = "f9599ada45c7bcb6bf53f7d3f0a7d154183e53451c01bfa59eecd37dd4a693f6", strip = "cutlass_library/source/include/", dest = "include/")
-
-ALL_WHEELS = CUDA_WHEELS + [PYBIND11_WHEEL, CUTLASS_WHEEL]
+ALL_WHEELS = CUDA_WHEELS + [PYBIND11_WHEEL]

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The acceptance run on an air-gapped GPU machine, through the offline bundle (README.md next to this file):
+#
+#   tools/offline/gpu_acceptance.sh [LOG_DIR]          (default LOG_DIR: /tmp/kda-gpu-logs)
+#
+#   1. `bazel test //kda/tests:all` (--config=gpu_machine: KDA_REQUIRE_GPU=1, so a GPU test can fail but never
+#      skip), then the junit totals and every per-case error line of the matrix into LOG_DIR;
+#   2. `bazel run //kda:demo` (the main job on the GPU);
+#   3. unless KDA_SKIP_BENCH=1: `bazel run //kda/bench:bench_fwd` (fla's columns fill in when fla is importable,
+#      e.g. PYTHONPATH pointing at its unpacked wheels), bounded by KDA_BENCH_TIMEOUT seconds (default 300).
+# Prints a summary last. Exit status: that of the tests.
+set -uo pipefail
+
+logs="${1:-/tmp/kda-gpu-logs}"
+mkdir -p "${logs}"
+cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.."
+bazel=tools/offline/bazel-offline
+export PYTHONUNBUFFERED=1
+t0=${SECONDS}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "${logs}/gpu.txt"
+
+echo "=== bazel test //kda/tests:all"
+"${bazel}" test //kda/tests:all 2>&1 | tee "${logs}/bazel_test.log"
+test_rc=${PIPESTATUS[0]}
+test_s=$((SECONDS - t0))
+testlogs="$("${bazel}" info bazel-testlogs 2>/dev/null)"
+python="${KDA_PYTHON:-/opt/torch/.venv/bin/python3}"
+[[ -x "${python}" ]] || python=python3
+totals="$("${python}" tools/pytest/junit_summary.py "${testlogs}")"
+# One line per matrix case: "[<id>] out vs float64: rel_l2=... window=... state rel_l2=..."
+find -L "${testlogs}/kda/tests" -name test.log -print0 | xargs -0 grep -h "out vs float64: rel_l2" \
+  > "${logs}/matrix_errors.txt" || true
+
+echo "=== bazel run //kda:demo"
+"${bazel}" run //kda:demo 2>&1 | tee "${logs}/demo.log" | tail -20
+
+if [[ "${KDA_SKIP_BENCH:-0}" != 1 ]]; then
+  echo "=== bazel run //kda/bench:bench_fwd"
+  timeout "${KDA_BENCH_TIMEOUT:-300}" "${bazel}" run //kda/bench:bench_fwd -- --json "${logs}/bench.json" \
+    > "${logs}/bench.log" 2>&1
+  echo "bench exit status $?"
+fi
+
+echo
+echo "================ summary ================"
+grep -E "^//kda/tests:[a-z_0-9]+ +(\(cached\) )?(PASSED|FAILED|NO STATUS|TIMEOUT)" "${logs}/bazel_test.log" | sed 's/  */ /g'
+grep -E "^Executed|tests pass|fail" "${logs}/bazel_test.log" | tail -3
+echo "bazel test exit status ${test_rc} after ${test_s} s; junit: ${totals}"
+echo "matrix cases with errors logged: $(wc -l < "${logs}/matrix_errors.txt")"
+"${python}" - "${logs}/matrix_errors.txt" <<'PY'
+import re, sys
+worst = {}
+for line in open(sys.argv[1]):
+    for key, val in re.findall(r"(rel_l2|window|state rel_l2)=([0-9.e+-]+)", line):
+        worst[key] = max(worst.get(key, 0.0), float(val))
+print("worst vs float64:", {k: f"{v:.2e}" for k, v in worst.items()})
+PY
+grep -E "backend|ms|rel" "${logs}/demo.log" | tail -6
+[[ -f "${logs}/bench.log" ]] && sed -n '/^## Speed/,$p' "${logs}/bench.log"
+exit "${test_rc}"
