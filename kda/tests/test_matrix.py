@@ -56,8 +56,11 @@ def _fwd_args(x: dict) -> dict:
     return {**{n: x[n] for n in names}, **{n: x[n] for n in ("initial_state", "final_state", "cu_seqlens")}}
 
 
-def run_case(case: matrix.Case) -> None:
-    """Runs one matrix case and raises AssertionError listing every failed check."""
+def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
+    """Runs one matrix case and raises AssertionError listing every failed check.
+
+    ``record(name, value)`` receives the measured errors (pytest's record_property puts them in the junit XML,
+    where tools/offline/gpu_acceptance.sh collects them)."""
     from flash_kda import numerics  # noqa: PLC0415 -- the lead's module; import errors fail the case clearly
 
     stage = _Stages(case)
@@ -93,9 +96,12 @@ def run_case(case: matrix.Case) -> None:
         report.check(rel_l2=OUT_REL_L2, window_rel_l2=WINDOW_REL_L2, name="out vs float64")
     except AssertionError as e:
         failures.append(str(e))
+    record("out_rel_l2", report.rel_l2)
+    record("out_window_rel_l2", report.window_rel_l2)
     line = f"[{case.id}] out vs float64: rel_l2={report.rel_l2:.3e} window={report.window_rel_l2:.3e}"
     if case.has_final:
         state_report = compare.compare(x["final_state"], ref_state)
+        record(f"state_{case.state_dtype}_rel_l2", state_report.rel_l2)
         line += f" state rel_l2={state_report.rel_l2:.3e}"
         try:
             state_report.check(rel_l2=STATE_REL_L2, name="final_state vs float64")
@@ -107,8 +113,8 @@ def run_case(case: matrix.Case) -> None:
         raise AssertionError(f"case {case.id}:\n" + "\n".join(failures))
 
 
-def test_case(kda_case: matrix.Case) -> None:
-    run_case(kda_case)
+def test_case(kda_case: matrix.Case, record_property) -> None:
+    run_case(kda_case, record_property)
 
 
 # --- adversarial checks that are not one input set ----------------------------------------------------------
