@@ -158,7 +158,7 @@ def main(argv: list[str]) -> int:
         print(f"fla not importable ({exc}); its columns stay empty", flush=True)
         run_fla_available = False
 
-    info = flash_kda.device_info(0) if hasattr(flash_kda, "device_info") else {}
+    info = flash_kda.device_info(0)
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name(0)} torch {torch.__version__} {info}",
           flush=True)
     rows = []
