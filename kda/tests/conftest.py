@@ -2,9 +2,9 @@
 
 - ``--kda-slice=NAME[,NAME...]`` picks the slices of the correctness matrix (matrix.py) that test_matrix.py
   runs; default: all of them. Tests outside the matrix that belong to a slice carry ``@pytest.mark.kda_slice``.
-- Marker ``gpu``: the test needs an sm_90 GPU and the compiled extension. Without one it is skipped with the
-  reason (loudly, in the summary); with ``KDA_REQUIRE_GPU=1`` it fails instead. (The Bazel runner registers and
-  enforces the same marker; doing it here too keeps plain ``pytest`` runs honest.)
+- Marker ``gpu``: the test needs an sm_90 GPU. tools/pytest/kda_plugin.py owns it (skipped loudly without one;
+  a failure under ``KDA_REQUIRE_GPU=1``); the Bazel runner loads that plugin, and this file registers it for
+  plain ``pytest`` runs.
 - Fixtures: ``kda_case`` (a matrix.Case, parametrised), ``seed`` and ``gen`` (seeded per test id).
 """
 
@@ -33,7 +33,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs an sm_90 GPU and the compiled extension (KDA_REQUIRE_GPU=1: fail)")
+    if not config.pluginmanager.has_plugin("kda_plugin"):  # plain pytest, not the Bazel runner
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "pytest"))
+        import kda_plugin  # noqa: PLC0415
+
+        config.pluginmanager.register(kda_plugin, "kda_plugin")
     config.addinivalue_line("markers", "kda_slice(name): the matrix slice a non-parametrised test belongs to")
 
 
@@ -61,31 +65,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-
-
-def require_gpu() -> bool:
-    return os.environ.get("KDA_REQUIRE_GPU", "") == "1"
-
-
-def gpu_unavailable_reason() -> str | None:
-    """Why the gpu tests cannot run here, or None when they can."""
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to PyTorch"
-    capability = torch.cuda.get_device_capability()
-    if capability != (9, 0):
-        return f"CUDA device 0 is {torch.cuda.get_device_name()} with capability {capability}, not sm_90"
-    return None
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("gpu") is None:
-        return
-    reason = gpu_unavailable_reason()
-    if reason is None:
-        return
-    if require_gpu():
-        pytest.fail(f"KDA_REQUIRE_GPU=1 but {reason}", pytrace=False)
-    pytest.skip(f"GPU test skipped: {reason}")
 
 
 def seed_of(nodeid: str) -> int:

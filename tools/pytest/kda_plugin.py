@@ -1,7 +1,9 @@
 """pytest plugin loaded by runner.py (-p kda_plugin): Bazel sharding and the `gpu` marker.
 
-`@pytest.mark.gpu` tests need a CUDA device. Where torch sees none they are SKIPPED with the reason
-("no CUDA device visible: ..."), unless KDA_REQUIRE_GPU=1, which turns the skip into a failure (GPU machines).
+`@pytest.mark.gpu` tests need a CUDA device of compute capability 9.0 (the kernels are sm_90a machine code).
+Where torch sees none they are SKIPPED with the reason ("no CUDA device visible: ..."), unless
+KDA_REQUIRE_GPU=1, which turns the skip into a failure (GPU machines). kda/tests/conftest.py registers this
+plugin too when pytest runs without the Bazel runner, so plain `pytest` runs follow the same rules.
 A banner at the end says how many GPU tests were skipped.
 """
 
@@ -19,7 +21,10 @@ def _cuda_problem():
             import torch
 
             if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-                _state["cuda"] = ""
+                capability = torch.cuda.get_device_capability(0)
+                _state["cuda"] = "" if capability == (9, 0) else (
+                    "CUDA device 0 is %s with compute capability %s; the kernels need 9.0 (sm_90a)"
+                    % (torch.cuda.get_device_name(0), capability))
             else:
                 built = getattr(torch.version, "cuda", None)
                 _state["cuda"] = "no CUDA device visible: torch %s (built for CUDA %s) reports %d device(s), " \
@@ -33,7 +38,7 @@ def _cuda_problem():
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "gpu: needs a CUDA device; skipped loudly without one, a failure instead when KDA_REQUIRE_GPU=1")
+        "gpu: needs an sm_90 CUDA device; skipped loudly without one, a failure instead when KDA_REQUIRE_GPU=1")
 
 
 @pytest.hookimpl(trylast=True)

@@ -23,9 +23,10 @@ def main(argv=None):
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     # Bazel runs one test process per core; a torch in each using every core oversubscribes the machine many
-    # times over (seen on the 16-core H200 machine: CPU-path tests slowed ~20x and timed out). Two intra-op
-    # threads per test process unless the caller says otherwise.
-    threads = os.environ.get("KDA_TEST_THREADS", "2")
+    # times over (seen on the 16-core H200 machine: CPU-path tests slowed ~20x and timed out; two 2-thread shards on
+    # a 2-core machine still ran 10x slower than one at a time). One intra-op thread per test process unless the
+    # caller says otherwise.
+    threads = os.environ.get("KDA_TEST_THREADS", "1")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, threads)
 
