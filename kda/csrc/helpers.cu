@@ -42,30 +42,30 @@ __global__ void mma_bf16_kernel(const __nv_bfloat16* __restrict__ a, const __nv_
   const int row0 = blockIdx.y * 16, col0 = n_tile * 8;
   const int gi = lane >> 2, ti = lane & 3;
   for (int64_t batch = blockIdx.z; batch < batches; batch += gridDim.z) {
-  const __nv_bfloat16* a_b = a + batch * m * k;
-  const __nv_bfloat16* b_b = b + batch * k * n;
+    const __nv_bfloat16* a_b = a + batch * m * k;
+    const __nv_bfloat16* b_b = b + batch * k * n;
 
-  float acc[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = row0 + gi + 8 * (i >> 1), col = col0 + 2 * ti + (i & 1);
-    acc[i] = c != nullptr ? c[batch * m * n + static_cast<int64_t>(row) * n + col] : 0.f;
-  }
-  for (int k0 = 0; k0 < k; k0 += 16) {
-    uint32_t af[4], bf[2];
+    float acc[4];
     for (int i = 0; i < 4; ++i) {
-      const int row = row0 + gi + 8 * (i & 1), col = k0 + 2 * ti + 8 * (i >> 1);
-      af[i] = pack_raw_bf16x2(a_b[static_cast<int64_t>(row) * k + col], a_b[static_cast<int64_t>(row) * k + col + 1]);
+      const int row = row0 + gi + 8 * (i >> 1), col = col0 + 2 * ti + (i & 1);
+      acc[i] = c != nullptr ? c[batch * m * n + static_cast<int64_t>(row) * n + col] : 0.f;
     }
-    for (int i = 0; i < 2; ++i) {
-      const int kk = k0 + 2 * ti + 8 * i, col = col0 + gi;
-      bf[i] = pack_raw_bf16x2(b_b[static_cast<int64_t>(kk) * n + col], b_b[static_cast<int64_t>(kk + 1) * n + col]);
+    for (int k0 = 0; k0 < k; k0 += 16) {
+      uint32_t af[4], bf[2];
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + gi + 8 * (i & 1), col = k0 + 2 * ti + 8 * (i >> 1);
+        af[i] = pack_raw_bf16x2(a_b[static_cast<int64_t>(row) * k + col], a_b[static_cast<int64_t>(row) * k + col + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {
+        const int kk = k0 + 2 * ti + 8 * i, col = col0 + gi;
+        bf[i] = pack_raw_bf16x2(b_b[static_cast<int64_t>(kk) * n + col], b_b[static_cast<int64_t>(kk + 1) * n + col]);
+      }
+      mma_bf16_16816(acc, af, bf);
     }
-    mma_bf16_16816(acc, af, bf);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const int row = row0 + gi + 8 * (i >> 1), col = col0 + 2 * ti + (i & 1);
-    d[batch * m * n + static_cast<int64_t>(row) * n + col] = acc[i];
-  }
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + gi + 8 * (i >> 1), col = col0 + 2 * ti + (i & 1);
+      d[batch * m * n + static_cast<int64_t>(row) * n + col] = acc[i];
+    }
   }
 }
 
