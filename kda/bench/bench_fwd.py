@@ -4,7 +4,7 @@ Prints one table of times (median of CUDA-event timings) with tokens/s and the m
 relative L2 errors against the float64 reference for flash_kda (bf16 and fp32 state) and fla. A program, not
 a test: run it on a GPU machine, e.g.
 
-    python kda/bench/bench_fwd.py --cases all --json $OUT/bench.json
+    tools/bazel run //kda/bench:bench_fwd -- --cases=all --json=/tmp/bench.json
 
 fla is optional (pure-Python wheels `fla-core` + `flash-linear-attention`); without it its columns are empty.
 """
@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import sys
 import time
 from typing import Optional
 
 import torch
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("cases", "all", "'all' or comma-separated indices into CASES")
+flags.DEFINE_integer("iters", 20, "timed calls per case (a quarter of it, at least 3, above 4M token-heads)")
+flags.DEFINE_bool("accuracy", True, "also measure errors against the float64 reference")
+flags.DEFINE_integer("accuracy_max_token_heads", 1_600_000, "skip the float64 reference above this size")
+flags.DEFINE_string("json", None, "write every number here")
 
 BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): SPEC §5
 COPY_BANDWIDTH = 4.25e12  # device copy, read + write, measured on the H200 (SPEC §5)
@@ -132,40 +138,30 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
-def main(argv: list[str]) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="all", help="'all' or comma-separated case indices")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure errors vs the float64 reference")
-    parser.add_argument("--accuracy-max-tokens", type=int, default=200_000,
-                        help="skip the float64 reference above this many token-heads")
-    parser.add_argument("--json", default=None, help="write all numbers here")
-    args = parser.parse_args(argv)
-
+def main(argv: list[str]) -> None:
+    del argv  # flags only
+    if not torch.cuda.is_available():
+        raise app.UsageError("bench_fwd times the CUDA kernel and needs a visible sm_90 GPU (H100/H200)")
     import flash_kda
     from flash_kda import reference
 
     device = "cuda"
     scale, lower_bound = HEAD_DIM ** -0.5, -5.0
-    cases = CASES if args.cases == "all" else [CASES[int(i)] for i in args.cases.split(",")]
+    cases = CASES if FLAGS.cases == "all" else [CASES[int(i)] for i in FLAGS.cases.split(",")]
     try:
         run_fla_available = True
         import fla  # noqa: F401
     except Exception as exc:  # fla is optional
-        print(f"fla not importable ({exc}); its columns stay empty", flush=True)
+        logging.warning("fla not importable (%s); its columns stay empty", exc)
         run_fla_available = False
 
     info = flash_kda.device_info(0)
-    print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name(0)} torch {torch.__version__} {info}",
-          flush=True)
+    logging.info("%s %s torch %s %s", time.strftime("%Y-%m-%d"), torch.cuda.get_device_name(0), torch.__version__, info)
     rows = []
     for case in cases:
         inp = make_inputs(case, device)
         row = {"case": case.name, "token_heads": case.tokens * case.heads}
-        iters = args.iters if case.tokens * case.heads <= 4_000_000 else max(3, args.iters // 4)
+        iters = FLAGS.iters if case.tokens * case.heads <= 4_000_000 else max(3, FLAGS.iters // 4)
         with torch.inference_mode():
             call, out_bf, fin_bf = run_flash_kda(inp, torch.bfloat16, scale, lower_bound)
             row["flash_kda_ms"] = time_ms(call, iters)
@@ -176,9 +172,9 @@ def main(argv: list[str]) -> int:
                 try:
                     row["fla_ms"] = time_ms(fla_call, iters)
                 except Exception as exc:
-                    print(f"fla failed on {case.name}: {exc}", flush=True)
+                    logging.warning("fla failed on %s: %s", case.name, exc)
                     fla_res.clear()
-            if args.accuracy and case.tokens * case.heads <= args.accuracy_max_tokens * 8:
+            if FLAGS.accuracy and case.tokens * case.heads <= FLAGS.accuracy_max_token_heads:
                 ref_out, ref_fin = reference.reference_chunked(
                     inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, inp["A_log"], inp["dt_bias"],
                     lower_bound, initial_state=inp["init"], cu_seqlens=inp["cu_seqlens"])
@@ -198,12 +194,12 @@ def main(argv: list[str]) -> int:
         row["floor_ms"] = floor
         row["tokens_per_s"] = case.tokens / (row["flash_kda_ms"] * 1e-3)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        logging.info("%s", json.dumps(row))
         del inp
         torch.cuda.empty_cache()
 
-    if args.json:
-        with open(args.json, "w") as f:
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
             json.dump(rows, f, indent=1)
 
     def fmt(x, spec):
@@ -227,8 +223,7 @@ def main(argv: list[str]) -> int:
               f"{fmt(r['err_out_fp32_state'], '.2e')} | {fmt(r['err_state_fp32'], '.2e')} | "
               f"{fmt(r.get('fla_err_out'), '.2e')} | {fmt(r.get('fla_err_state'), '.2e')} | "
               f"{fmt(r['err_out_bf16_rounding'], '.2e')} |")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    app.run(main)
