@@ -10,8 +10,7 @@
 //   Uᵀ  = bf16(Wᵀ) · INVᵀ
 //   Oᵀ += bf16(Uᵀ) · Mqkᵀ  -> out
 //   S   = S ⊙ 2^Γ + bf16(Uᵀ) · Kr     (fp32 accumulators)
-// Workspace records and value tiles stream through a two-stage cp.async pipeline into a padded shared-memory
-// image (StageLayout), so the per-lane fragment loads hit 32 distinct banks.
+// Workspace records and value tiles stream through a two-stage cp.async pipeline.
 #include <cuda_bf16.h>
 
 #include "kda/csrc/cuda_check.h"
@@ -24,49 +23,9 @@ namespace {
 
 constexpr int kRecWarps = kHeadDim / 16;  // one warp per 16 state rows
 constexpr int kRecThreads = kRecWarps * 32;
+constexpr int kValueTileBytes = kChunk * kHeadDim * 2;
+constexpr int kStageBytes = ChunkRecordLayout::kBytes + kValueTileBytes;
 constexpr int kStages = 2;
-
-// Shared-memory image of one chunk: the workspace record with its rows padded by 16 bytes, plus the value
-// rows. Unpadded, the 8 row-groups of a fragment load (rows 256 or 32 bytes apart) land in the same banks:
-// 8-way conflicts on Kd/Qd, 2-way on Krᵀ/INV/Mqk, 4-way on V. With the padding every load is conflict-free.
-struct StageLayout {
-  static constexpr int kWideLd = kHeadDim + 8;  // bf16 elements per padded 128-wide row (272 bytes)
-  static constexpr int kNarrowLd = kChunk + 8;  // bf16 elements per padded 16-wide row (48 bytes)
-  static constexpr int kKd = 0;
-  static constexpr int kQd = kKd + kChunk * kWideLd * 2;
-  static constexpr int kKrT = kQd + kChunk * kWideLd * 2;
-  static constexpr int kInv = kKrT + kHeadDim * kNarrowLd * 2;
-  static constexpr int kMqk = kInv + kChunk * kNarrowLd * 2;
-  static constexpr int kDecay = kMqk + kChunk * kNarrowLd * 2;  // decay and beta stay unpadded
-  static constexpr int kBeta = kDecay + kHeadDim * 4;
-  static constexpr int kValues = kBeta + kChunk * 4;
-  static constexpr int kBytes = kValues + kChunk * kWideLd * 2;  // 21,312 bytes
-};
-static_assert(StageLayout::kValues % 16 == 0 && StageLayout::kBytes % 16 == 0, "16-byte async copies");
-static_assert(kStages * StageLayout::kBytes <= 48 * 1024, "static shared memory limit");
-
-// Where byte `offset` of a workspace record (a multiple of 16) goes in the padded stage image.
-__device__ __forceinline__ int stage_offset(int offset) {
-  using R = ChunkRecordLayout;
-  using S = StageLayout;
-  constexpr int kWideRow = kHeadDim * 2, kNarrowRow = kChunk * 2;
-  if (offset < R::kQdOffset) return S::kKd + (offset / kWideRow) * S::kWideLd * 2 + offset % kWideRow;
-  if (offset < R::kKrTOffset) {
-    offset -= R::kQdOffset;
-    return S::kQd + (offset / kWideRow) * S::kWideLd * 2 + offset % kWideRow;
-  }
-  if (offset < R::kDecayOffset) {  // Krᵀ, INV and Mqk: consecutive 32-byte rows
-    offset -= R::kKrTOffset;
-    return S::kKrT + (offset / kNarrowRow) * S::kNarrowLd * 2 + offset % kNarrowRow;
-  }
-  return S::kDecay + (offset - R::kDecayOffset);
-}
-static_assert(ChunkRecordLayout::kInvOffset - ChunkRecordLayout::kKrTOffset == kHeadDim * kChunk * 2 &&
-                  ChunkRecordLayout::kMqkOffset - ChunkRecordLayout::kInvOffset == kChunk * kChunk * 2 &&
-                  StageLayout::kInv - StageLayout::kKrT == kHeadDim * StageLayout::kNarrowLd * 2 &&
-                  StageLayout::kBeta - StageLayout::kDecay ==
-                      ChunkRecordLayout::kBetaOffset - ChunkRecordLayout::kDecayOffset,
-              "stage_offset assumes Krᵀ, INV, Mqk are consecutive narrow rows and decay, beta are adjacent");
 
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
@@ -85,7 +44,7 @@ __device__ __forceinline__ void load_stage(uint8_t* stage, const FwdParams& p, i
   const uint8_t* record = static_cast<const uint8_t*>(p.workspace) +
                           (static_cast<size_t>(slot) * p.heads + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
   for (int i = threadIdx.x; i < ChunkRecordLayout::kBytes / 16; i += kRecThreads) {
-    cp_async_16(stage + stage_offset(16 * i), record + 16 * i, 16);
+    cp_async_16(stage + 16 * i, record + 16 * i, 16);
   }
   constexpr int kPiecesPerRow = kHeadDim * 2 / 16;
   const auto* v = static_cast<const __nv_bfloat16*>(p.v);
@@ -93,7 +52,7 @@ __device__ __forceinline__ void load_stage(uint8_t* stage, const FwdParams& p, i
     const int r = i / kPiecesPerRow, piece = i % kPiecesPerRow;
     const bool valid = r < rows;
     const __nv_bfloat16* src = valid ? v + ((token0 + r) * p.heads + h) * kHeadDim + piece * 8 : v;
-    cp_async_16(stage + StageLayout::kValues + r * StageLayout::kWideLd * 2 + 16 * piece, src, valid ? 16 : 0);
+    cp_async_16(stage + ChunkRecordLayout::kBytes + 16 * i, src, valid ? 16 : 0);
   }
   cp_async_commit();
 }
@@ -155,7 +114,7 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
     }
   }
 
-  __shared__ __align__(16) uint8_t smem[kStages][StageLayout::kBytes];
+  __shared__ __align__(16) uint8_t smem[kStages][kStageBytes];
   auto rows_of = [&](int64_t chunk) {
     const int64_t remaining = len - chunk * kChunk;
     return static_cast<int>(remaining < kChunk ? remaining : kChunk);
@@ -176,15 +135,14 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
     __syncthreads();
 
     const uint8_t* stage = smem[chunk % kStages];
-    constexpr int kWideLd = StageLayout::kWideLd, kNarrowLd = StageLayout::kNarrowLd;
-    const auto* kd = reinterpret_cast<const __nv_bfloat16*>(stage + StageLayout::kKd);
-    const auto* qd = reinterpret_cast<const __nv_bfloat16*>(stage + StageLayout::kQd);
-    const auto* krt = reinterpret_cast<const __nv_bfloat16*>(stage + StageLayout::kKrT);
-    const auto* inv = reinterpret_cast<const __nv_bfloat16*>(stage + StageLayout::kInv);
-    const auto* mqk = reinterpret_cast<const __nv_bfloat16*>(stage + StageLayout::kMqk);
-    const auto* decay = reinterpret_cast<const float*>(stage + StageLayout::kDecay);
-    const auto* beta = reinterpret_cast<const float*>(stage + StageLayout::kBeta);
-    const auto* vt = reinterpret_cast<const __nv_bfloat16*>(stage + StageLayout::kValues);
+    const auto* kd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKdOffset);
+    const auto* qd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kQdOffset);
+    const auto* krt = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKrTOffset);
+    const auto* inv = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kInvOffset);
+    const auto* mqk = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kMqkOffset);
+    const auto* decay = reinterpret_cast<const float*>(stage + ChunkRecordLayout::kDecayOffset);
+    const auto* beta = reinterpret_cast<const float*>(stage + ChunkRecordLayout::kBetaOffset);
+    const auto* vt = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kBytes);
 
     // bf16(S) as A fragments, k-step ks covering state columns 16ks..16ks+15.
     uint32_t s_frag[kHeadDim / 16][4];
@@ -198,13 +156,13 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         uint32_t b[2];
-        load_b_frag(b, kd + 8 * nt * kWideLd + 16 * ks, kWideLd, lane);
+        load_b_frag(b, kd + 8 * nt * kHeadDim + 16 * ks, kHeadDim, lane);
         mma_bf16_16816(p_acc[nt], s_frag[ks], b);
       }
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         uint32_t b[2];
-        load_b_frag(b, qd + 8 * nt * kWideLd + 16 * ks, kWideLd, lane);
+        load_b_frag(b, qd + 8 * nt * kHeadDim + 16 * ks, kHeadDim, lane);
         mma_bf16_16816(o_acc[nt], s_frag[ks], b);
       }
     }
@@ -217,7 +175,7 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
       for (int i = 0; i < 4; ++i) {
         const int c = 8 * nt + 2 * ti + (i & 1);
         const int row = v_base + gi + 8 * (i >> 1);
-        w[nt][i] = __fmul_rn(beta[c], __fsub_rn(bf16_to_float(vt[c * kWideLd + row]), p_acc[nt][i]));
+        w[nt][i] = __fmul_rn(beta[c], __fsub_rn(bf16_to_float(vt[c * kHeadDim + row]), p_acc[nt][i]));
       }
     }
     uint32_t w_frag[4];
@@ -228,7 +186,7 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       uint32_t b[2];
-      load_b_frag(b, inv + 8 * nt * kNarrowLd, kNarrowLd, lane);
+      load_b_frag(b, inv + 8 * nt * kChunk, kChunk, lane);
       mma_bf16_16816(u[nt], w_frag, b);
     }
     uint32_t u_frag[4];
@@ -238,7 +196,7 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       uint32_t b[2];
-      load_b_frag(b, mqk + 8 * nt * kNarrowLd, kNarrowLd, lane);
+      load_b_frag(b, mqk + 8 * nt * kChunk, kChunk, lane);
       mma_bf16_16816(o_acc[nt], u_frag, b);
     }
     const int rows = rows_of(chunk);
@@ -264,7 +222,7 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
       s[nt][2] = __fmul_rn(s[nt][2], d0);
       s[nt][3] = __fmul_rn(s[nt][3], d1);
       uint32_t b[2];
-      load_b_frag(b, krt + 8 * nt * kNarrowLd, kNarrowLd, lane);
+      load_b_frag(b, krt + 8 * nt * kChunk, kChunk, lane);
       mma_bf16_16816(s[nt], u_frag, b);
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
