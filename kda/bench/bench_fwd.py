@@ -206,7 +206,7 @@ def main(argv: list[str]) -> None:
         return format(x, spec) if isinstance(x, (int, float)) else "-"
 
     print("\n## Speed (ms, median; bf16 state in/out)")
-    print(f"| case | flash_kda ms | fp32-state ms | fla ms | fla/flash_kda | Mtok/s | floor ms | % of floor |")
+    print("| case | flash_kda ms | fp32-state ms | fla ms | fla/flash_kda | Mtok/s | floor ms | % of floor |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         speedup = r["fla_ms"] / r["flash_kda_ms"] if "fla_ms" in r else None
