@@ -1,35 +1,65 @@
-"""Side-by-side benchmark of flash_kda.fwd and fla's chunk_kda (Triton) in one process, plus accuracy.
+"""Benchmark instrument: flash_kda.fwd against its peers, same process, same inputs, same GPU, plus accuracy.
 
-Prints one table of times (median of CUDA-event timings) with tokens/s and the memory floor, and one table of
-relative L2 errors against the float64 reference for flash_kda (bf16 and fp32 state) and fla. A program, not
-a test: run it on a GPU machine, e.g.
+    tools/bazel run //kda/bench:bench_fwd -- --json=/tmp/b.json --markdown=/tmp/b.md --png=/tmp/b.png
 
-    tools/bazel run //kda/bench:bench_fwd -- --cases=all --json=/tmp/bench.json
+(on an air-gapped GPU machine: `tools/offline/bazel-offline run //kda/bench:bench_fwd -- ...`; the peers are built
+into /tmp/peers-site by ../shared/peers, see its README). A program that prints tables, not a test.
 
-fla is optional (pure-Python wheels `fla-core` + `flash-linear-attention`); without it its columns are empty.
+Per case, right after our call and on the same tensors, it times the peers:
+- fla ``chunk_kda`` (Triton), with ``FLA_FLASH_KDA=0`` so that fla never dispatches to a ``flash_kda`` package;
+- MoonshotAI FlashKDA, whose package is also named ``flash_kda``: it is loaded from ``--moonshot_path`` under the
+  module name ``moonshot_flash_kda``, with that path appended to ``sys.path`` (never ahead of ours).
+Each peer is optional: when it cannot be imported or raises, its column stays empty and a one-line note says why.
+
+Printed (and written to --markdown): a speed table (median ms of CUDA-event timings, tokens/s, achieved GB/s and
+% of the memory floor against the device-copy ceiling measured in the same run, our speed-up over each peer) and
+an accuracy table (relative L2 error of out and final state against the float64 reference). --json holds every
+number and the run's metadata; --png is a bar chart of the three implementations per case.
+
+Cheap re-runs: --peers= (none) or --peers=fla, --cases / --case_names to pick rows, and --peer_json=EARLIER.json
+to fill the peer columns of rows not measured now from an earlier run (marked "(earlier run)").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import importlib.util
 import json
 import os
+import shlex
+import statistics
+import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("cases", "all", "'all' or comma-separated indices into CASES")
-flags.DEFINE_integer("iters", 20, "timed calls per case (a quarter of it, at least 3, above 4M token-heads)")
+flags.DEFINE_list("case_names", [], "keep only cases whose name contains one of these substrings (comma list)")
+flags.DEFINE_integer("iters", 30, "timed calls per case (max(5, iters // 6) above 16M token-heads)")
+flags.DEFINE_integer("warmup", 3, "untimed calls before timing (fla autotunes on its first call)")
 flags.DEFINE_bool("accuracy", True, "also measure errors against the float64 reference")
 flags.DEFINE_integer("accuracy_max_token_heads", 1_600_000, "skip the float64 reference above this size")
-flags.DEFINE_string("json", None, "write every number here")
+flags.DEFINE_list("peers", ["fla", "moonshot"], "peers to measure (comma list of fla, moonshot; empty: none)")
+flags.DEFINE_string("moonshot_path", "/tmp/peers-site",
+                    "site folder holding MoonshotAI's flash_kda/ and flash_kda_C (and fla); appended to sys.path")
+flags.DEFINE_string("peer_json", None, "an earlier run's --json: fills peer columns of rows not measured now")
+flags.DEFINE_integer("copy_mib", 2048, "size of the device-to-device copy that measures the copy ceiling")
+flags.DEFINE_string("json", None, "write every number and the run's metadata here")
+flags.DEFINE_string("markdown", None, "write the tables here, under a header line (date, GPU, command)")
+flags.DEFINE_string("png", None, "write a bar chart of the three implementations here (needs matplotlib)")
 
 BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): SPEC §5
-COPY_BANDWIDTH = 4.25e12  # device copy, read + write, measured on the H200 (SPEC §5)
 HEAD_DIM = 128
+LONG_TOKEN_HEADS = 16_000_000  # above this, fewer timed calls (each call takes long enough to be stable)
+IMPLS = ("flash_kda", "fla", "moonshot")
+PEERS = IMPLS[1:]
+STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "none": None}
+STATE_NOTE = ("state bf16: bf16 initial + final state for flash_kda and moonshot, fp32 for fla (its measured "
+              "configuration); fp32: fp32 for all three; none: no initial and no final state.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +69,26 @@ class Case:
     seqlen: int  # per row; for varlen the total
     heads: int
     seqlens: Optional[tuple] = None  # varlen: B must be 1
+    state: str = "bf16"  # "bf16", "fp32" or "none": one state mode for all three implementations of the row
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seqlen
+
+    @property
+    def token_heads(self) -> int:
+        return self.tokens * self.heads
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqlens) if self.seqlens is not None else self.batch
+
+    @property
+    def floor_bytes(self) -> int:
+        """Bytes the forward must move at least: the token tensors plus each state buffer read or written."""
+        per_state = self.num_seqs * self.heads * HEAD_DIM * HEAD_DIM
+        state_bytes = 0 if self.state == "none" else 2 * per_state * STATE_DTYPES[self.state].itemsize
+        return self.token_heads * BYTES_PER_TOKEN_HEAD + state_bytes
 
 
 def _varlen(name: str, lens: list[int], heads: int) -> Case:
@@ -62,7 +108,29 @@ CASES = [
     Case("B32 T512 H32", 32, 512, 32),
     _varlen("varlen 64x128 H32", [128] * 64, 32),
     Case("T1048576 H1", 1, 1048576, 1),
+    Case("T8192 H96 fp32 state", 1, 8192, 96, state="fp32"),
+    Case("T8192 H96 no state", 1, 8192, 96, state="none"),
 ]
+
+
+def select_cases() -> list[Case]:
+    """CASES picked by --cases (indices or 'all'), then filtered by --case_names substrings."""
+    if FLAGS.cases == "all":
+        cases = list(CASES)
+    else:
+        try:
+            cases = [CASES[int(i)] for i in FLAGS.cases.split(",")]
+        except (ValueError, IndexError) as exc:
+            raise app.UsageError(f"--cases must be 'all' or indices in 0..{len(CASES) - 1}, got {FLAGS.cases!r}") from exc
+    if FLAGS.case_names:
+        cases = [c for c in cases if any(s in c.name for s in FLAGS.case_names)]
+    if not cases:
+        raise app.UsageError(f"no case left after --cases={FLAGS.cases} --case_names={','.join(FLAGS.case_names)}")
+    return cases
+
+
+def iters_for(case: Case) -> int:
+    return FLAGS.iters if case.token_heads <= LONG_TOKEN_HEADS else max(5, FLAGS.iters // 6)
 
 
 def make_inputs(case: Case, device: str, seed: int = 0):
@@ -77,16 +145,21 @@ def make_inputs(case: Case, device: str, seed: int = 0):
     A_log = torch.rand(H, generator=gen, device=device) * 0.5
     dt_bias = torch.randn(H, HEAD_DIM, generator=gen, device=device) * 0.1
     cu = None
-    n = B
     if case.seqlens is not None:
         lens = torch.tensor((0,) + case.seqlens, dtype=torch.int64)
-        cu = torch.cumsum(lens, 0).to(device)
-        n = len(case.seqlens)
-    init = torch.randn(n, H, HEAD_DIM, HEAD_DIM, generator=gen, device=device) * 0.1
-    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, init=init, n=n)
+        cu = torch.cumsum(lens, 0).to(device)  # int64: MoonshotAI FlashKDA accepts no other dtype
+    init = None
+    if case.state != "none":
+        # fp32 holding bf16-representable values: every implementation and the reference then start from the
+        # same state whatever dtype they take it in, so the errors measure the forward, not the state's rounding.
+        init = (torch.randn(case.num_seqs, H, HEAD_DIM, HEAD_DIM, generator=gen, device=device) * 0.1)
+        init = init.to(torch.bfloat16).float()
+    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, init=init,
+                n=case.num_seqs)
 
 
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
+def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median of `iters` CUDA-event timings of fn, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -98,131 +171,392 @@ def time_ms(fn, iters: int, warmup: int = 3) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times)
 
 
-def run_flash_kda(inp, state_dtype, scale, lower_bound):
+def measure_copy_ceiling(nbytes: int, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write): the roof for a memory-bound forward."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), iters)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+# --- the three implementations: each returns (call, outputs); outputs() gives (out, final state or None) of the
+# last call. Buffers and argument conversions are made once, outside the timed call.
+Run = tuple[Callable[[], None], Callable[[], tuple]]
+
+
+def run_flash_kda(inp, state: str, scale: float, lower_bound: float) -> Run:
     import flash_kda
 
     out = torch.empty_like(inp["v"])
-    init = inp["init"].to(state_dtype)
-    final = torch.empty_like(init)
+    dtype = STATE_DTYPES[state]
+    init = None if dtype is None or inp["init"] is None else inp["init"].to(dtype)
+    final = None if init is None else torch.empty_like(init)
 
     def call():
         flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"], inp["dt_bias"],
                       lower_bound, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"])
 
-    return call, out, final
+    return call, lambda: (out, final)
 
 
-def run_fla(inp, scale, lower_bound):
-    os.environ["FLA_FLASH_KDA"] = "0"  # measure fla's own Triton path, not a dispatch to a flash_kda package
-    from fla.ops.kda import chunk_kda
-
+def run_fla(chunk_kda, inp, scale: float, lower_bound: float) -> Run:
+    """fla's measured configuration: fp32 initial state (None without state), dt_bias flat [H*K]."""
+    init = inp["init"]
+    dt_bias = inp["dt_bias"].reshape(-1)
     result = {}
 
     def call():
         o, s = chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale=scale,
-                         initial_state=inp["init"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         initial_state=init, output_final_state=init is not None, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
                          lower_bound=lower_bound, state_v_first=True, cu_seqlens=inp["cu_seqlens"],
-                         A_log=inp["A_log"], dt_bias=inp["dt_bias"])
+                         A_log=inp["A_log"], dt_bias=dt_bias)
         result["out"], result["final"] = o, s
 
-    return call, result
+    return call, lambda: (result["out"], result["final"])
 
 
+def run_moonshot(module, inp, state: str, scale: float, lower_bound: float) -> Run:
+    """MoonshotAI's fwd: dt_bias must be 2-D [H, K], A_log fp32, cu_seqlens int64, both states of one dtype.
+
+    Its Python wrapper allocates its workspace and transposes beta on every call: that is part of its cost."""
+    out = torch.empty_like(inp["v"])
+    dtype = STATE_DTYPES[state]
+    init = None if dtype is None or inp["init"] is None else inp["init"].to(dtype)
+    final = None if init is None else torch.empty_like(init)
+    cu = None if inp["cu_seqlens"] is None else inp["cu_seqlens"].to(torch.int64)
+
+    def call():
+        module.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"], inp["dt_bias"],
+                   lower_bound, initial_state=init, final_state=final, cu_seqlens=cu)
+
+    return call, lambda: (out, final)
+
+
+# --- peers: loading and versions
+def load_fla():
+    os.environ["FLA_FLASH_KDA"] = "0"  # fla's FlashKDA backend would otherwise take over chunk_kda
+    import fla
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda, getattr(fla, "__version__", None)
+
+
+def load_moonshot(path: str):
+    """MoonshotAI's `flash_kda` package under the name `moonshot_flash_kda` (ours keeps the name flash_kda)."""
+    package = os.path.join(path, "flash_kda")
+    init_py = os.path.join(package, "__init__.py")
+    if not os.path.isfile(init_py):
+        raise ImportError(f"{init_py} not found (build it with ../shared/peers, or pass --moonshot_path)")
+    spec = importlib.util.spec_from_file_location("moonshot_flash_kda", init_py,
+                                                  submodule_search_locations=[package])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["moonshot_flash_kda"] = module
+    try:
+        spec.loader.exec_module(module)  # imports flash_kda_C from the appended path
+    except BaseException:
+        del sys.modules["moonshot_flash_kda"]
+        raise
+    return module
+
+
+def moonshot_version(path: str) -> Optional[str]:
+    """Best effort: the PEER_VERSION line that ../shared/peers/make_peers.sh writes next to the unpacked source."""
+    for candidate in (os.path.join(path, "..", "peers-src", "PEER_VERSION"), os.path.join(path, "PEER_VERSION"),
+                      os.path.join(path, "flash_kda", "PEER_VERSION")):
+        try:
+            with open(candidate) as f:
+                return f.read().strip() or None
+        except OSError:
+            continue
+    return None
+
+
+def load_peers(names: list[str], path: str) -> tuple[dict, dict, list[str]]:
+    """(peer name -> loaded handle, peer name -> version, notes) for the peers that import."""
+    if path not in sys.path:
+        sys.path.append(path)  # at the end: our flash_kda must keep the name
+    handles, versions, notes = {}, {}, []
+    for name in names:
+        try:
+            if name == "fla":
+                handles[name], versions[name] = load_fla()
+            else:
+                handles[name] = load_moonshot(path)
+                versions[name] = moonshot_version(path)
+        except Exception as exc:  # an optional peer: an empty column, not an error
+            notes.append(f"{name} not importable, its column stays empty: {type(exc).__name__}: {exc}")
+            logging.warning("%s", notes[-1])
+    return handles, versions, notes
+
+
+# --- measurement
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.double()
     return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
+def empty_row(case: Case) -> dict:
+    row = {"case": case.name, "state": case.state, "tokens": case.tokens, "heads": case.heads,
+           "token_heads": case.token_heads, "floor_bytes": case.floor_bytes, "iters": iters_for(case), "notes": []}
+    for impl in IMPLS:
+        row.update({f"{impl}_ms": None, f"{impl}_err_out": None, f"{impl}_err_state": None})
+    row.update({"bf16_rounding_out": None, "bf16_rounding_state": None})
+    return row
+
+
+def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> dict:
+    from flash_kda import reference
+
+    row = empty_row(case)
+    inp = make_inputs(case, "cuda")
+    runs = {"flash_kda": run_flash_kda(inp, case.state, scale, lower_bound)}
+    if "fla" in peers:
+        runs["fla"] = run_fla(peers["fla"], inp, scale, lower_bound)
+    if "moonshot" in peers:
+        runs["moonshot"] = run_moonshot(peers["moonshot"], inp, case.state, scale, lower_bound)
+    with torch.inference_mode():
+        for impl, (call, _) in runs.items():
+            try:
+                row[f"{impl}_ms"] = time_ms(call, row["iters"], FLAGS.warmup)
+            except Exception as exc:
+                if impl == "flash_kda":
+                    raise  # the subject of the benchmark: its failure is an error
+                row["notes"].append(f"{impl} raised on {case.name}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+                logging.warning("%s", row["notes"][-1])
+        if FLAGS.accuracy and case.token_heads <= FLAGS.accuracy_max_token_heads:
+            ref_out, ref_fin = reference.reference_chunked(
+                inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, inp["A_log"], inp["dt_bias"],
+                lower_bound, initial_state=inp["init"], cu_seqlens=inp["cu_seqlens"])
+            row["bf16_rounding_out"] = rel_l2(ref_out.to(torch.bfloat16), ref_out)
+            if case.state != "none":
+                row["bf16_rounding_state"] = rel_l2(ref_fin.to(torch.bfloat16), ref_fin)
+            for impl, (_, outputs) in runs.items():
+                if row[f"{impl}_ms"] is None:
+                    continue
+                out, final = outputs()  # the last timed call's results: every call computes the same thing
+                row[f"{impl}_err_out"] = rel_l2(out, ref_out)
+                if final is not None and case.state != "none":
+                    row[f"{impl}_err_state"] = rel_l2(final, ref_fin)
+            del ref_out, ref_fin
+    del inp, runs
+    torch.cuda.empty_cache()
+    return row
+
+
+def derive(row: dict, copy_bytes_per_s: float) -> dict:
+    """Rates and ratios of a row from its times (recomputed on every row, measured now or loaded)."""
+    ms = row["flash_kda_ms"]
+    row["floor_ms"] = row["floor_bytes"] / copy_bytes_per_s * 1e3
+    row["tokens_per_s"] = row["tokens"] / (ms * 1e-3) if ms else None
+    row["achieved_gb_per_s"] = row["floor_bytes"] / (ms * 1e-3) / 1e9 if ms else None
+    row["pct_of_floor"] = 100 * row["floor_ms"] / ms if ms else None
+    for peer in PEERS:
+        peer_ms = row.get(f"{peer}_ms")
+        row[f"speedup_vs_{peer}"] = peer_ms / ms if peer_ms and ms else None
+    return row
+
+
+def load_earlier(path: str) -> tuple[dict, dict]:
+    """(case name -> row, metadata) of an earlier --json; also reads the older list-of-rows format."""
+    with open(path) as f:
+        data = json.load(f)
+    rows, meta = (data, {}) if isinstance(data, list) else (data.get("rows", []), data.get("meta", {}))
+    return {r["case"]: r for r in rows if "case" in r}, meta
+
+
+def fill_from_earlier(row: dict, earlier: dict) -> None:
+    """Peer columns this run did not measure come from the earlier run, marked as such."""
+    old = earlier.get(row["case"])
+    if old is None or old.get("state", row["state"]) != row["state"]:
+        return
+    for peer in PEERS:
+        if row.get(f"{peer}_ms") is None and old.get(f"{peer}_ms") is not None:
+            for key in (f"{peer}_ms", f"{peer}_err_out", f"{peer}_err_state"):
+                row[key] = old.get(key)
+            row[f"{peer}_source"] = "earlier run"
+
+
+# --- outputs
+def _fmt(x, spec: str) -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
+def _peer_cell(row: dict, peer: str, key: str, spec: str) -> str:
+    cell = _fmt(row.get(key), spec)
+    return f"{cell} (earlier run)" if cell != "-" and row.get(f"{peer}_source") == "earlier run" else cell
+
+
+def speed_table(rows: list[dict], copy_bytes_per_s: float) -> list[str]:
+    lines = [f"## Speed (ms, median of CUDA-event timings; memory floor at the copy ceiling "
+             f"{copy_bytes_per_s / 1e9:.0f} GB/s measured in this run)",
+             "| case | state | flash_kda ms | fla ms | moonshot ms | fla / flash_kda | moonshot / flash_kda | Mtok/s "
+             "| GB/s | floor ms | % of floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mtok = r["tokens_per_s"] / 1e6 if r.get("tokens_per_s") else None
+        lines.append(
+            f"| {r['case']} | {r['state']} | {_fmt(r['flash_kda_ms'], '.3f')} | {_peer_cell(r, 'fla', 'fla_ms', '.3f')} | "
+            f"{_peer_cell(r, 'moonshot', 'moonshot_ms', '.3f')} | {_peer_cell(r, 'fla', 'speedup_vs_fla', '.2f')} | "
+            f"{_peer_cell(r, 'moonshot', 'speedup_vs_moonshot', '.2f')} | {_fmt(mtok, '.1f')} | "
+            f"{_fmt(r.get('achieved_gb_per_s'), '.0f')} | {_fmt(r.get('floor_ms'), '.3f')} | "
+            f"{_fmt(r.get('pct_of_floor'), '.1f')} |")
+    lines.append("")
+    lines.append(f"Speed-up = peer ms / flash_kda ms. GB/s and % of floor are flash_kda's, with {BYTES_PER_TOKEN_HEAD} B "
+                 "per token-head plus each state buffer read or written. " + STATE_NOTE)
+    return lines
+
+
+def accuracy_table(rows: list[dict]) -> list[str]:
+    lines = ["## Accuracy (relative L2 error against the float64 reference)",
+             "| case | state | flash_kda out | flash_kda state | fla out | fla state | moonshot out | moonshot state "
+             "| bf16 rounding out | bf16 rounding state |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("bf16_rounding_out") is None and all(r.get(f"{i}_err_out") is None for i in IMPLS):
+            continue  # the reference did not run on this case
+        cells = [_fmt(r.get("flash_kda_err_out"), ".2e"), _fmt(r.get("flash_kda_err_state"), ".2e")]
+        for peer in PEERS:
+            cells += [_peer_cell(r, peer, f"{peer}_err_out", ".2e"), _peer_cell(r, peer, f"{peer}_err_state", ".2e")]
+        cells += [_fmt(r.get("bf16_rounding_out"), ".2e"), _fmt(r.get("bf16_rounding_state"), ".2e")]
+        lines.append(f"| {r['case']} | {r['state']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("bf16 rounding: the error of the reference itself rounded to bf16 (the floor for a bf16 output).")
+    return lines
+
+
+def notes_lines(notes: list[str]) -> list[str]:
+    return ["## Notes"] + [f"- {n}" for n in notes] if notes else []
+
+
+def report_lines(rows: list[dict], meta: dict) -> list[str]:
+    lines = speed_table(rows, meta["copy_bytes_per_s"]) + [""]
+    lines += accuracy_table(rows)
+    notes = list(meta.get("notes", [])) + [n for r in rows for n in r.get("notes", [])]
+    return lines + ([""] + notes_lines(notes) if notes else [])
+
+
+def write_json(path: str, rows: list[dict], meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+        f.write("\n")
+
+
+def write_markdown(path: str, rows: list[dict], meta: dict) -> None:
+    versions = ", ".join(f"{k} {v}" for k, v in meta.get("peer_versions", {}).items() if v)
+    header = [f"# flash_kda.fwd vs peers: {meta['date']}, {meta['gpu']}, `{meta['command']}`", "",
+              f"torch {meta['torch']}" + (f"; peers: {versions}" if versions else ""), ""]
+    with open(path, "w") as f:
+        f.write("\n".join(header + report_lines(rows, meta)) + "\n")
+
+
+def write_png(path: str, rows: list[dict], meta: dict) -> bool:
+    """Grouped horizontal bars, ms on a log axis; a peer without a number has no bar. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        logging.warning("--png: matplotlib is not importable (%s); no chart written (pip install matplotlib)", exc)
+        return False
+    colors = {"flash_kda": "tab:green", "fla": "tab:blue", "moonshot": "tab:orange"}
+    height = 0.8 / len(IMPLS)
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.55 * len(rows)))
+    for j, impl in enumerate(IMPLS):
+        ys, xs, hatches = [], [], []
+        for i, r in enumerate(rows):
+            if r.get(f"{impl}_ms"):
+                ys.append(len(rows) - 1 - i + (1 - j) * height)  # first case on top, ours on top of its group
+                xs.append(r[f"{impl}_ms"])
+                hatches.append("//" if r.get(f"{impl}_source") == "earlier run" else "")
+        if not xs:
+            continue
+        bars = ax.barh(ys, xs, height=height, color=colors[impl], label=impl)
+        for bar, hatch, x in zip(bars, hatches, xs):
+            bar.set_hatch(hatch)
+            ax.text(x * 1.03, bar.get_y() + bar.get_height() / 2, f"{x:.3g}", va="center", fontsize=6)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r["case"] for r in reversed(rows)], fontsize=7)
+    ax.set_xscale("log")
+    values = [r[f"{impl}_ms"] for r in rows for impl in IMPLS if r.get(f"{impl}_ms")]
+    if values:
+        ax.set_xlim(right=max(values) * 1.6)  # room for the value labels
+    ax.set_xlabel("ms per call (median; log scale; hatched: earlier run)")
+    fig.suptitle(f"KDA forward, {meta['gpu']}, {meta['date']}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(IMPLS), frameon=False)
+    ax.grid(axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str]) -> None:
-    del argv  # flags only
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; bench_fwd takes flags only")
+    unknown = [p for p in FLAGS.peers if p not in PEERS]
+    if unknown:
+        raise app.UsageError(f"--peers: unknown {unknown}; choose among {list(PEERS)} (empty for none)")
+    cases = select_cases()
     if not torch.cuda.is_available():
         raise app.UsageError("bench_fwd times the CUDA kernel and needs a visible sm_90 GPU (H100/H200)")
     import flash_kda
-    from flash_kda import reference
 
-    device = "cuda"
     scale, lower_bound = HEAD_DIM ** -0.5, -5.0
-    cases = CASES if FLAGS.cases == "all" else [CASES[int(i)] for i in FLAGS.cases.split(",")]
-    try:
-        run_fla_available = True
-        import fla  # noqa: F401
-    except Exception as exc:  # fla is optional
-        logging.warning("fla not importable (%s); its columns stay empty", exc)
-        run_fla_available = False
+    earlier, earlier_meta = load_earlier(FLAGS.peer_json) if FLAGS.peer_json else ({}, {})
+    peers, versions, notes = load_peers(FLAGS.peers, FLAGS.moonshot_path) if FLAGS.peers else ({}, {}, [])
+    meta = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "flash_kda": getattr(flash_kda, "__version__", None),
+        "device_info": flash_kda.device_info(0),
+        "command": "bench_fwd " + shlex.join(sys.argv[1:]),
+        "peers_requested": list(FLAGS.peers),
+        "peers_loaded": sorted(peers),
+        "peer_versions": {"fla": versions.get("fla"), "moonshot": versions.get("moonshot")},
+        "moonshot_path": FLAGS.moonshot_path,
+        "peer_json": FLAGS.peer_json,
+        "peer_json_meta": {k: earlier_meta.get(k) for k in ("date", "gpu", "peer_versions")} if earlier_meta else None,
+        "bytes_per_token_head": BYTES_PER_TOKEN_HEAD,
+        "notes": notes,
+    }
+    logging.info("%s %s torch %s %s", meta["date"], meta["gpu"], meta["torch"], meta["device_info"])
+    meta["copy_bytes_per_s"] = measure_copy_ceiling(FLAGS.copy_mib << 20)
+    print(f"copy ceiling (device-to-device copy of {FLAGS.copy_mib} MiB, read + write, median of 10): "
+          f"{meta['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
 
-    info = flash_kda.device_info(0)
-    logging.info("%s %s torch %s %s", time.strftime("%Y-%m-%d"), torch.cuda.get_device_name(0), torch.__version__, info)
     rows = []
-    for case in cases:
-        inp = make_inputs(case, device)
-        row = {"case": case.name, "token_heads": case.tokens * case.heads}
-        iters = FLAGS.iters if case.tokens * case.heads <= 4_000_000 else max(3, FLAGS.iters // 4)
-        with torch.inference_mode():
-            call, out_bf, fin_bf = run_flash_kda(inp, torch.bfloat16, scale, lower_bound)
-            row["flash_kda_ms"] = time_ms(call, iters)
-            call32, out32, fin32 = run_flash_kda(inp, torch.float32, scale, lower_bound)
-            row["flash_kda_fp32_state_ms"] = time_ms(call32, iters)
-            if run_fla_available:
-                fla_call, fla_res = run_fla(inp, scale, lower_bound)
-                try:
-                    row["fla_ms"] = time_ms(fla_call, iters)
-                except Exception as exc:
-                    logging.warning("fla failed on %s: %s", case.name, exc)
-                    fla_res.clear()
-            if FLAGS.accuracy and case.tokens * case.heads <= FLAGS.accuracy_max_token_heads:
-                ref_out, ref_fin = reference.reference_chunked(
-                    inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, inp["A_log"], inp["dt_bias"],
-                    lower_bound, initial_state=inp["init"], cu_seqlens=inp["cu_seqlens"])
-                call()
-                call32()
-                row["err_out_bf16_state"] = rel_l2(out_bf, ref_out)
-                row["err_state_bf16"] = rel_l2(fin_bf, ref_fin)
-                row["err_out_fp32_state"] = rel_l2(out32, ref_out)
-                row["err_state_fp32"] = rel_l2(fin32, ref_fin)
-                row["err_out_bf16_rounding"] = rel_l2(ref_out.to(torch.bfloat16), ref_out)
-                if run_fla_available and "out" in fla_res:
-                    fla_call()
-                    row["fla_err_out"] = rel_l2(fla_res["out"], ref_out)
-                    row["fla_err_state"] = rel_l2(fla_res["final"], ref_fin)
-                del ref_out, ref_fin
-        floor = case.tokens * case.heads * BYTES_PER_TOKEN_HEAD / COPY_BANDWIDTH * 1e3
-        row["floor_ms"] = floor
-        row["tokens_per_s"] = case.tokens / (row["flash_kda_ms"] * 1e-3)
+    t_run = time.time()
+    for i, case in enumerate(cases):
+        t0 = time.time()
+        logging.info("case %d/%d %s (state %s, %d timed calls) ...", i + 1, len(cases), case.name, case.state,
+                     iters_for(case))
+        row = derive(measure_case(case, peers, scale, lower_bound), meta["copy_bytes_per_s"])
         rows.append(row)
-        logging.info("%s", json.dumps(row))
-        del inp
-        torch.cuda.empty_cache()
+        logging.info("case %d/%d %s done in %.1f s (%.0f s so far): %s", i + 1, len(cases), case.name,
+                     time.time() - t0, time.time() - t_run,
+                     ", ".join(f"{impl} {_fmt(row[f'{impl}_ms'], '.3f')} ms" for impl in IMPLS))
+    if earlier:
+        for row in rows:
+            fill_from_earlier(row, earlier)
+            derive(row, meta["copy_bytes_per_s"])
 
+    print("\n" + "\n".join(report_lines(rows, meta)), flush=True)
     if FLAGS.json:
-        with open(FLAGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
-
-    def fmt(x, spec):
-        return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-    print("\n## Speed (ms, median; bf16 state in/out)")
-    print("| case | flash_kda ms | fp32-state ms | fla ms | fla/flash_kda | Mtok/s | floor ms | % of floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        speedup = r["fla_ms"] / r["flash_kda_ms"] if "fla_ms" in r else None
-        print(f"| {r['case']} | {fmt(r['flash_kda_ms'], '.3f')} | {fmt(r['flash_kda_fp32_state_ms'], '.3f')} | "
-              f"{fmt(r.get('fla_ms'), '.3f')} | {fmt(speedup, '.2f')} | {r['tokens_per_s'] / 1e6:.1f} | "
-              f"{r['floor_ms']:.3f} | {100 * r['floor_ms'] / r['flash_kda_ms']:.1f} |")
-    print("\n## Accuracy (relative L2 vs float64)")
-    print("| case | out (bf16 st) | state bf16 | out (fp32 st) | state fp32 | fla out | fla state | bf16(exact) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if "err_out_bf16_state" not in r:
-            continue
-        print(f"| {r['case']} | {fmt(r['err_out_bf16_state'], '.2e')} | {fmt(r['err_state_bf16'], '.2e')} | "
-              f"{fmt(r['err_out_fp32_state'], '.2e')} | {fmt(r['err_state_fp32'], '.2e')} | "
-              f"{fmt(r.get('fla_err_out'), '.2e')} | {fmt(r.get('fla_err_state'), '.2e')} | "
-              f"{fmt(r['err_out_bf16_rounding'], '.2e')} |")
+        write_json(FLAGS.json, rows, meta)
+        logging.info("wrote %s", FLAGS.json)
+    if FLAGS.markdown:
+        write_markdown(FLAGS.markdown, rows, meta)
+        logging.info("wrote %s", FLAGS.markdown)
+    if FLAGS.png and write_png(FLAGS.png, rows, meta):
+        logging.info("wrote %s", FLAGS.png)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/kda_plan.h"
 
 namespace py = pybind11;
 
@@ -24,7 +25,7 @@ void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g,
          std::uintptr_t A_log, std::uintptr_t dt_bias, std::uintptr_t out, std::uintptr_t initial_state,
          std::uintptr_t final_state, bool state_is_fp32, std::uintptr_t cu_seqlens, bool cu_seqlens_is_int64,
          int64_t batch, int64_t seqlen, int64_t num_seqs, int heads, float scale, float lower_bound,
-         std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+         std::uintptr_t workspace, std::size_t workspace_bytes, int v_split, std::uintptr_t stream) {
   kda::FwdParams p{};
   p.q = ptr<const void>(q);
   p.k = ptr<const void>(k);
@@ -47,6 +48,7 @@ void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g,
   p.lower_bound = lower_bound;
   p.workspace = ptr<void>(workspace);
   p.workspace_bytes = workspace_bytes;
+  p.v_split = v_split;
   py::gil_scoped_release release;
   kda::fwd(p, stream_of(stream));
 }
@@ -73,9 +75,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dt_bias"), py::arg("out"), py::arg("initial_state"), py::arg("final_state"),
         py::arg("state_is_fp32"), py::arg("cu_seqlens"), py::arg("cu_seqlens_is_int64"), py::arg("batch"),
         py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("scale"), py::arg("lower_bound"),
-        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-        "Enqueues the KDA forward on `stream` (device pointers as integers, 0 for None). Validation is the "
-        "caller's job: use flash_kda.fwd.");
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("v_split"), py::arg("stream"),
+        "Enqueues the KDA forward on `stream` (device pointers as integers, 0 for None; v_split 0 = choose). "
+        "Validation is the caller's job: use flash_kda.fwd.");
+  m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
+        "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def(
       "ex2_approx",
       [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {

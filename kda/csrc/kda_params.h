@@ -11,7 +11,9 @@ constexpr int kHeadDim = 128;  // K = V = 128: the only head size the kernel is 
 constexpr int kChunk = 16;     // tokens per chunk: keeps 2^{±G} inside bf16/fp32 range at lower_bound = -5.
 
 // One (chunk slot, head) record of the workspace, written by the preparation kernel. The records are
-// contiguous so the recurrence kernel copies a whole record with 16-byte async copies.
+// contiguous, and each is stored as the recurrence kernel's shared-memory image of it: one bulk copy moves a
+// record into shared memory, where every fragment load (ldmatrix) is free of bank conflicts thanks to the
+// swizzles below. The swizzles only move 16-byte pieces, so they change no value.
 struct ChunkRecordLayout {
   static constexpr int kKdOffset = 0;                                      // bf16 [kChunk][kHeadDim]: k̂ ⊙ 2^G
   static constexpr int kQdOffset = kKdOffset + kChunk * kHeadDim * 2;      // bf16 [kChunk][kHeadDim]: scale·q̂ ⊙ 2^G
@@ -24,10 +26,22 @@ struct ChunkRecordLayout {
 };
 static_assert(ChunkRecordLayout::kBytes % 16 == 0, "records must stay 16-byte aligned");
 
+// Element index of (row, col) in a swizzled bf16 [rows][128] matrix (Kd, Qd): the 16-byte piece col / 8 of
+// row r is stored at piece (col / 8) ^ (r % 8), so the 8 rows an ldmatrix phase reads hit 8 different banks.
+constexpr int swizzle_wide(int row, int col) {
+  return row * kHeadDim + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// Element index of (row, col) in a swizzled bf16 [rows][16] matrix (Krᵀ, INV, Mqk): rows are 32 bytes, so
+// the half col / 8 of row r is stored at half (col / 8) ^ ((r / 4) % 2).
+constexpr int swizzle_narrow(int row, int col) {
+  return row * kChunk + ((((col >> 3) ^ ((row >> 2) & 1))) << 3) + (col & 7);
+}
+
 // Chunk slots: chunk j of sequence n (which starts at token bos_n) lives in slot floor(bos_n/16) + n + j.
 // Slots are unique and fewer than floor(total_tokens/16) + num_seqs, computable without reading
 // cu_seqlens on the host (so no synchronisation), and each kernel can find its own slots on the device.
-inline int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
+constexpr int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return total_tokens / kChunk + num_seqs;
 }
 
@@ -65,6 +79,7 @@ struct FwdParams {
   float lower_bound;
   void* workspace;
   size_t workspace_bytes;
+  int v_split;  // recurrence CTAs per (sequence, head), each owning 128 / v_split state rows; 0: choose
 };
 
 }  // namespace kda

@@ -1,23 +1,38 @@
 // KDA forward, stage 1 of 2: the token-parallel preparation kernel.
 //
-// One CTA per (chunk slot, head). It computes everything of a 16-token chunk that does not depend on the
-// state S (SPEC §2): L2-normalised q/k, the per-channel log2 gates and their in-chunk cumulative sum G,
-// Kd = k̂·2^G, Qd = scale·q̂·2^G, Kr = k̂·2^{Γ-G}, 2^Γ, β, the masked products A and Mqk, and
-// INV = (I + β·strict_lower(Kd Kiᵀ))⁻¹ by forward substitution in fp32; then writes one workspace record.
-// Rows past the end of a sequence are zero (q = k = v = 0, γ = 0, β = 0), which makes them inert.
+// One warp per (chunk slot, head) item; warps never wait for each other, so many items are in flight per SM
+// and the kernel runs at the memory system's pace. Lane l owns channels 4l..4l+3 of every row of the chunk.
+// The warp computes everything of a 16-token chunk that does not depend on the state S (SPEC §2):
+// L2-normalised q/k, the per-channel log2 gates and their in-chunk cumulative sum G, Kd = k̂·2^G,
+// Qd = scale·q̂·2^G, Kr = k̂·2^{Γ-G}, 2^Γ, β, the products A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, and
+// INV = (I + β·strict_lower(A))⁻¹ by forward substitution in fp32; it writes one workspace record in the
+// recurrence kernel's shared-memory image (kda_params.h). Rows past the end of a sequence are zero
+// (q = k = v = 0, γ = 0, β = 0), which makes them inert.
 #include <cuda_bf16.h>
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/sm90_async.cuh"
 
 namespace kda {
 namespace {
 
-constexpr int kPrepThreads = 128;  // 4 warps: warp-per-row for norms/gates, thread-per-channel after.
-constexpr int kPrepWarps = kPrepThreads / 32;
-static_assert(kPrepThreads == kHeadDim, "phase 2 maps one thread to one channel");
+constexpr int kPrepWarps = 2;  // independent warps per CTA (the CTA only shares the SM's shared memory)
+constexpr int kPrepThreads = kPrepWarps * 32;
+constexpr int kChannelsPerLane = kHeadDim / 32;
+static_assert(kChannelsPerLane == 4, "a lane owns one 8-byte piece of a 128-channel row");
+
+// Per-warp scratch: the bf16 operands of the two products (swizzled like the record) and their fp32 results.
+struct PrepScratch {
+  __nv_bfloat16 kd[kChunk * kHeadDim];
+  __nv_bfloat16 qd[kChunk * kHeadDim];
+  __nv_bfloat16 ki[kChunk * kHeadDim];
+  float a[kChunk][kChunk];
+  float m[kChunk][kChunk];
+  float beta[kChunk];
+};
 
 // Sum of squares of 128 values, lane l holding elements 4l..4l+3, in the fixed order the twin re-enacts:
 // ((x0²+x1²)+(x2²+x3²)) per lane, then a halving tree over lanes (xor 16, 8, 4, 2, 1).
@@ -36,11 +51,21 @@ __device__ __forceinline__ float inv_norm(float sum_sq) {
 }
 
 // Four consecutive bf16 values (8 bytes) to float; zeros when `valid` is false.
-__device__ __forceinline__ void load4_bf16(const __nv_bfloat16* src, bool valid, float (&x)[4], uint2& raw) {
-  raw = valid ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
+__device__ __forceinline__ uint2 load4_raw(const __nv_bfloat16* src, bool valid) {
+  return valid ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
+}
+__device__ __forceinline__ void unpack4(uint2 raw, float (&x)[4]) {
   const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) x[i] = bf16_to_float(h[i]);
+}
+__device__ __forceinline__ uint2 pack4_bf16(const __nv_bfloat16 (&x)[4]) {
+  uint2 r;
+  r.x = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[0])) |
+        (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[1])) << 16);
+  r.y = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[2])) |
+        (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[3])) << 16);
+  return r;
 }
 
 // Finds the sequence whose slots contain `slot`: the largest n with first_slot(n) <= slot.
@@ -58,65 +83,43 @@ __device__ int64_t find_sequence(const FwdParams& p, int64_t slot) {
   return lo;
 }
 
+// Row address for ldmatrix of the A fragment of rows 0..15, k-step ks, of a swizzled [16][128] tile.
+__device__ __forceinline__ const __nv_bfloat16* a_frag_row(const __nv_bfloat16* tile, int ks, int lane) {
+  const int m = lane >> 3, row = (lane & 7) + 8 * (m & 1), col = 16 * ks + 8 * (m >> 1);
+  return tile + swizzle_wide(row, col);
+}
+// Row address for ldmatrix of the B fragments (n-tiles 0 and 1, k-step ks) of Xᵀ, X a swizzled [16][128] tile.
+__device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* tile, int ks, int lane) {
+  const int m = lane >> 3, row = (lane & 7) + 8 * (m >> 1), col = 16 * ks + 8 * (m & 1);
+  return tile + swizzle_wide(row, col);
+}
+
 __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdParams p) {
-  const int64_t slot = blockIdx.x;
-  const int h = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int H = p.heads;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrepWarps + warp;
+  if (item >= num_chunk_slots(p.total_tokens, p.num_seqs) * H) return;  // warp-uniform; no CTA barrier below
+  const int64_t slot = item / H;
+  const int h = static_cast<int>(item % H);
 
   const int64_t n = find_sequence(p, slot);
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   const int64_t chunk = slot - first_slot(bounds.bos, n);
   const int64_t len = bounds.eos - bounds.bos;
-  if (chunk < 0 || chunk * kChunk >= len) return;  // an unused slot (uniform over the CTA)
+  if (chunk < 0 || chunk * kChunk >= len) return;  // an unused slot
   const int64_t t0 = bounds.bos + chunk * kChunk;
   const int64_t remaining = len - chunk * kChunk;
   const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
 
-  __shared__ __align__(16) __nv_bfloat16 q_s[kChunk][kHeadDim];
-  __shared__ __align__(16) __nv_bfloat16 k_s[kChunk][kHeadDim];
-  __shared__ __align__(16) __nv_bfloat16 kd_s[kChunk][kHeadDim];
-  __shared__ __align__(16) __nv_bfloat16 qd_s[kChunk][kHeadDim];
-  __shared__ __align__(16) __nv_bfloat16 ki_s[kChunk][kHeadDim];
-  __shared__ float gamma_s[kChunk][kHeadDim];
-  __shared__ float inv_norm_q_s[kChunk], inv_norm_k_s[kChunk], beta_s[kChunk];
-  __shared__ float a_s[kChunk][kChunk], m_s[kChunk][kChunk];
+  __shared__ __align__(16) PrepScratch scratch_all[kPrepWarps];
+  PrepScratch& sc = scratch_all[warp];
 
   const auto* q = static_cast<const __nv_bfloat16*>(p.q);
   const auto* k = static_cast<const __nv_bfloat16*>(p.k);
   const auto* g = static_cast<const __nv_bfloat16*>(p.g);
   const auto* beta = static_cast<const __nv_bfloat16*>(p.beta);
-
-  // Phase 1, warp per row: norms, gates, beta.
-  const float exp_a = ex2_approx(__fmul_rn(p.A_log[h], kLog2e));
-  const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);  // λ·log2(e) = lower_bound·log2(e)·sigmoid(.)
-  const float* dt_bias = p.dt_bias + static_cast<int64_t>(h) * kHeadDim;
-#pragma unroll
-  for (int i = 0; i < kChunk / kPrepWarps; ++i) {
-    const int r = warp + kPrepWarps * i;
-    const bool valid = r < rows;
-    const int64_t offset = ((t0 + r) * H + h) * kHeadDim + 4 * lane;
-    float qf[4], kf[4], gf[4];
-    uint2 q_raw, k_raw, g_raw;
-    load4_bf16(q + offset, valid, qf, q_raw);
-    load4_bf16(k + offset, valid, kf, k_raw);
-    load4_bf16(g + offset, valid, gf, g_raw);
-    *reinterpret_cast<uint2*>(&q_s[r][4 * lane]) = q_raw;
-    *reinterpret_cast<uint2*>(&k_s[r][4 * lane]) = k_raw;
-    const float inv_norm_q = inv_norm(sum_squares_128(qf));
-    const float inv_norm_k = inv_norm(sum_squares_128(kf));
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float x = __fmul_rn(__fadd_rn(gf[c], dt_bias[4 * lane + c]), exp_a);
-      gamma_s[r][4 * lane + c] = valid ? __fmul_rn(sigmoid_approx(x), gate_scale) : 0.f;
-    }
-    if (lane == 0) {
-      inv_norm_q_s[r] = inv_norm_q;
-      inv_norm_k_s[r] = inv_norm_k;
-      beta_s[r] = valid ? sigmoid_approx(bf16_to_float(beta[(t0 + r) * H + h])) : 0.f;
-    }
-  }
-  __syncthreads();
+  const int ch0 = kChannelsPerLane * lane;
+  auto row_offset = [&](int r) { return ((t0 + r) * H + h) * kHeadDim + ch0; };
 
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(slot) * H + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
@@ -128,99 +131,160 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdPara
   auto* rec_decay = reinterpret_cast<float*>(record + ChunkRecordLayout::kDecayOffset);
   auto* rec_beta = reinterpret_cast<float*>(record + ChunkRecordLayout::kBetaOffset);
 
-  // Phase 2, thread per channel: cumulative gates and the decayed/restored keys and queries.
+  // Phase 1: gates γ = sigmoid((g + dt_bias)·2^(A_log·log2 e))·lower_bound·log2 e and their running sum G.
+  const float exp_a = ex2_approx(__fmul_rn(p.A_log[h], kLog2e));
+  const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
+  const float4 bias = *reinterpret_cast<const float4*>(p.dt_bias + static_cast<int64_t>(h) * kHeadDim + ch0);
+  const float bias_c[4] = {bias.x, bias.y, bias.z, bias.w};
+  uint2 g_raw[kChunk];
+#pragma unroll
+  for (int r = 0; r < kChunk; ++r) g_raw[r] = load4_raw(g + row_offset(r), r < rows);
+  float cum[kChunk][kChannelsPerLane];
   {
-    const int ch = tid;
-    float cum[kChunk];
-    float acc = 0.f;
+    float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < kChunk; ++r) {
-      acc = __fadd_rn(acc, gamma_s[r][ch]);
-      cum[r] = acc;
-    }
-    const float total = cum[kChunk - 1];  // Γ: padded rows add γ = 0
-    uint32_t krt_packed[kChunk / 2];
+      float gf[4];
+      unpack4(g_raw[r], gf);
 #pragma unroll
-    for (int r = 0; r < kChunk; ++r) {
-      const float k_hat = __fmul_rn(bf16_to_float(k_s[r][ch]), inv_norm_k_s[r]);
-      const float q_hat = __fmul_rn(bf16_to_float(q_s[r][ch]), inv_norm_q_s[r]);
-      const float decay = ex2_approx(cum[r]);
-      const __nv_bfloat16 kd = __float2bfloat16_rn(__fmul_rn(k_hat, decay));
-      const __nv_bfloat16 qd = __float2bfloat16_rn(__fmul_rn(__fmul_rn(q_hat, p.scale), decay));
-      const __nv_bfloat16 ki = __float2bfloat16_rn(__fmul_rn(k_hat, ex2_approx(-cum[r])));
-      const float kr = __fmul_rn(k_hat, ex2_approx(__fsub_rn(total, cum[r])));
-      kd_s[r][ch] = kd;
-      qd_s[r][ch] = qd;
-      ki_s[r][ch] = ki;
-      rec_kd[r * kHeadDim + ch] = kd;
-      rec_qd[r * kHeadDim + ch] = qd;
-      if (r % 2 == 0) {
-        krt_packed[r / 2] = 0;
+      for (int c = 0; c < kChannelsPerLane; ++c) {
+        const float x = __fmul_rn(__fadd_rn(gf[c], bias_c[c]), exp_a);
+        const float gamma = r < rows ? __fmul_rn(sigmoid_approx(x), gate_scale) : 0.f;
+        acc[c] = __fadd_rn(acc[c], gamma);
+        cum[r][c] = acc[c];
       }
-      const __nv_bfloat16 kr_bf = __float2bfloat16_rn(kr);
-      krt_packed[r / 2] |= static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&kr_bf)) << (16 * (r % 2));
     }
-    uint4* krt_row = reinterpret_cast<uint4*>(rec_krt + ch * kChunk);
-    krt_row[0] = make_uint4(krt_packed[0], krt_packed[1], krt_packed[2], krt_packed[3]);
-    krt_row[1] = make_uint4(krt_packed[4], krt_packed[5], krt_packed[6], krt_packed[7]);
-    rec_decay[ch] = ex2_approx(total);
   }
-  __syncthreads();
+  if (lane < kChunk) {
+    const float b = lane < rows ? sigmoid_approx(bf16_to_float(beta[(t0 + lane) * H + h])) : 0.f;
+    sc.beta[lane] = b;
+    rec_beta[lane] = b;
+  }
+  {
+    float4 decay;
+    decay.x = ex2_approx(cum[kChunk - 1][0]);
+    decay.y = ex2_approx(cum[kChunk - 1][1]);
+    decay.z = ex2_approx(cum[kChunk - 1][2]);
+    decay.w = ex2_approx(cum[kChunk - 1][3]);
+    *reinterpret_cast<float4*>(rec_decay + ch0) = decay;
+  }
 
-  // Phase 3: A = Kd·Kiᵀ (warp 0) and Mqk = Qd·Kiᵀ (warp 1) on the tensor cores, k-steps in order.
-  if (warp < 2) {
-    const __nv_bfloat16* lhs = warp == 0 ? &kd_s[0][0] : &qd_s[0][0];
-    float(*dst)[kChunk] = warp == 0 ? a_s : m_s;
+  // Phase 2, row by row: norms, then the decayed / restored keys and queries.
+  uint32_t krt_packed[kChannelsPerLane][kChunk / 2];
+#pragma unroll
+  for (int r = 0; r < kChunk; ++r) {
+    float qf[4], kf[4];
+    unpack4(load4_raw(q + row_offset(r), r < rows), qf);
+    unpack4(load4_raw(k + row_offset(r), r < rows), kf);
+    const float inv_norm_q = inv_norm(sum_squares_128(qf));
+    const float inv_norm_k = inv_norm(sum_squares_128(kf));
+    __nv_bfloat16 kd[4], qd[4], ki[4];
+#pragma unroll
+    for (int c = 0; c < kChannelsPerLane; ++c) {
+      const float k_hat = __fmul_rn(kf[c], inv_norm_k);
+      const float q_hat = __fmul_rn(qf[c], inv_norm_q);
+      const float decay = ex2_approx(cum[r][c]);
+      kd[c] = __float2bfloat16_rn(__fmul_rn(k_hat, decay));
+      qd[c] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(q_hat, p.scale), decay));
+      ki[c] = __float2bfloat16_rn(__fmul_rn(k_hat, ex2_approx(-cum[r][c])));
+      const __nv_bfloat16 kr =
+          __float2bfloat16_rn(__fmul_rn(k_hat, ex2_approx(__fsub_rn(cum[kChunk - 1][c], cum[r][c]))));
+      const uint32_t bits = *reinterpret_cast<const uint16_t*>(&kr);
+      if (r % 2 == 0) {
+        krt_packed[c][r / 2] = bits;
+      } else {
+        krt_packed[c][r / 2] |= bits << 16;
+      }
+    }
+    const int at = swizzle_wide(r, ch0);
+    const uint2 kd_bits = pack4_bf16(kd), qd_bits = pack4_bf16(qd);
+    *reinterpret_cast<uint2*>(rec_kd + at) = kd_bits;
+    *reinterpret_cast<uint2*>(rec_qd + at) = qd_bits;
+    *reinterpret_cast<uint2*>(sc.kd + at) = kd_bits;
+    *reinterpret_cast<uint2*>(sc.qd + at) = qd_bits;
+    *reinterpret_cast<uint2*>(sc.ki + at) = pack4_bf16(ki);
+  }
+  // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled).
+#pragma unroll
+  for (int c = 0; c < kChannelsPerLane; ++c) {
+    const int row = ch0 + c;
+    *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 0)) =
+        make_uint4(krt_packed[c][0], krt_packed[c][1], krt_packed[c][2], krt_packed[c][3]);
+    *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 8)) =
+        make_uint4(krt_packed[c][4], krt_packed[c][5], krt_packed[c][6], krt_packed[c][7]);
+  }
+  __syncwarp();
+
+  // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order.
+  {
+    float a_acc[2][4] = {}, m_acc[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      uint32_t kd_frag[4], qd_frag[4], ki_frag[4];
+      ldmatrix_x4(kd_frag, a_frag_row(sc.kd, ks, lane));
+      ldmatrix_x4(qd_frag, a_frag_row(sc.qd, ks, lane));
+      ldmatrix_x4(ki_frag, b_frag_row(sc.ki, ks, lane));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t b[2] = {ki_frag[2 * nt], ki_frag[2 * nt + 1]};
+        mma_bf16_16816(a_acc[nt], kd_frag, b);
+        mma_bf16_16816(m_acc[nt], qd_frag, b);
+      }
+    }
     const int gi = lane >> 2, ti = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        uint32_t a[4], b[2];
-        load_a_frag(a, lhs + 16 * ks, kHeadDim, lane);
-        load_b_frag(b, &ki_s[8 * nt][16 * ks], kHeadDim, lane);
-        mma_bf16_16816(d, a, b);
+      for (int i = 0; i < 4; ++i) {
+        const int row = gi + 8 * (i >> 1), col = 8 * nt + 2 * ti + (i & 1);
+        sc.a[row][col] = a_acc[nt][i];
+        sc.m[row][col] = m_acc[nt][i];
       }
-      dst[gi][8 * nt + 2 * ti] = d[0];
-      dst[gi][8 * nt + 2 * ti + 1] = d[1];
-      dst[gi + 8][8 * nt + 2 * ti] = d[2];
-      dst[gi + 8][8 * nt + 2 * ti + 1] = d[3];
     }
   }
-  __syncthreads();
+  __syncwarp();
 
-  // Phase 4: INV by forward substitution (thread j owns column j), masked Mqk, beta.
-  if (tid < kChunk) {
-    const int j = tid;
+  // Phase 4: INV by forward substitution (lane j < 16 owns column j, rows in order, m in order); the other
+  // half of the warp writes the causal mask of Mqk.
+  if (lane < kChunk) {
+    const int j = lane;
     float x[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       float acc = 0.f;
 #pragma unroll
       for (int m = 0; m < i; ++m) {
-        acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(a_s[i][m], beta_s[i]), x[m]));
+        acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(sc.a[i][m], sc.beta[i]), x[m]));
       }
       x[i] = __fsub_rn(i == j ? 1.f : 0.f, acc);
-      rec_inv[i * kChunk + j] = __float2bfloat16_rn(x[i]);
+      rec_inv[swizzle_narrow(i, j)] = __float2bfloat16_rn(x[i]);
     }
-  } else if (warp == 1) {
-    for (int e = lane; e < kChunk * kChunk; e += 32) {
-      const int i = e / kChunk, jj = e % kChunk;
-      rec_mqk[e] = __float2bfloat16_rn(jj <= i ? m_s[i][jj] : 0.f);
+  } else {
+    const int i = lane - kChunk;  // one row of Mqk per lane
+    __nv_bfloat16 row[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) row[j] = __float2bfloat16_rn(j <= i ? sc.m[i][j] : 0.f);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint4 bits;
+      uint32_t* w = &bits.x;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        w[e] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&row[8 * half + 2 * e])) |
+               (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&row[8 * half + 2 * e + 1])) << 16);
+      }
+      *reinterpret_cast<uint4*>(rec_mqk + swizzle_narrow(i, 8 * half)) = bits;
     }
-  } else if (warp == 2 && lane < kChunk) {
-    rec_beta[lane] = beta_s[lane];
   }
 }
 
 }  // namespace
 
 void launch_prepare(const FwdParams& p, cudaStream_t stream) {
-  const int64_t slots = num_chunk_slots(p.total_tokens, p.num_seqs);
-  if (slots == 0 || p.heads == 0) return;
-  const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.heads));
-  kda_prepare_kernel<<<grid, kPrepThreads, 0, stream>>>(p);
+  const int64_t items = num_chunk_slots(p.total_tokens, p.num_seqs) * p.heads;
+  if (items == 0) return;
+  const int64_t blocks = (items + kPrepWarps - 1) / kPrepWarps;
+  kda_prepare_kernel<<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
   KDA_CHECK_LAUNCH("kda_prepare_kernel");
 }
 

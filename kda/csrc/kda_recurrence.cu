@@ -1,61 +1,49 @@
 // KDA forward, stage 2 of 2: the recurrence over the chunks of each sequence.
 //
-// One CTA per (sequence, head); warp w owns state rows v = 16w..16w+15 for the whole sequence, kept in
-// fp32 mma accumulators laid out as S[v, k] (rows v, columns k). The rows of S evolve independently, so
-// warps never exchange data: a later version can split V across CTAs without changing a single bit.
-// Per chunk (SPEC §2, transposed so that v is the mma row dimension):
+// Grid (sequence, head, V part): each CTA owns 128 / v_split state rows of one (sequence, head); warp w of it
+// owns 16 rows v for the whole sequence, kept in fp32 mma accumulators laid out as S[v, k] (rows v, columns
+// k). The rows of S evolve independently, so warps and CTAs never exchange data and the V split changes no
+// bit. Per chunk (SPEC §2, transposed so that v is the mma row dimension):
 //   Pᵀ  = bf16(S) · Kdᵀ               (16 x 16, K = 128)
 //   Oᵀ  = bf16(S) · Qdᵀ
 //   Wᵀ  = β ⊙ (Vᵀ − Pᵀ)               (fp32)
 //   Uᵀ  = bf16(Wᵀ) · INVᵀ
 //   Oᵀ += bf16(Uᵀ) · Mqkᵀ  -> out
 //   S   = S ⊙ 2^Γ + bf16(Uᵀ) · Kr     (fp32 accumulators)
-// Workspace records and value tiles stream through a two-stage cp.async pipeline.
+// Data movement: the copy engine brings each chunk's workspace record (one bulk copy; the record is already
+// the swizzled shared-memory image, kda_params.h) and the CTA's slice of the 16 value rows (one bulk copy per
+// token) into a ring of kStages stages, completing on one mbarrier per stage; fragments come out of shared
+// memory with conflict-free ldmatrix, and outputs leave through movmatrix-transposed 4-byte stores.
 #include <cuda_bf16.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/kda_plan.h"
+#include "kda/csrc/sm90_async.cuh"
 
 namespace kda {
 namespace {
 
-constexpr int kRecWarps = kHeadDim / 16;  // one warp per 16 state rows
-constexpr int kRecThreads = kRecWarps * 32;
-constexpr int kValueTileBytes = kChunk * kHeadDim * 2;
-constexpr int kStageBytes = ChunkRecordLayout::kBytes + kValueTileBytes;
-constexpr int kStages = 2;
+constexpr int kStages = 4;  // chunks in flight: hides the record's trip from HBM/L2 behind ~3 steps
 
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// Issues the async copies of chunk `chunk` (its workspace record and its value rows; rows past the end of
-// the sequence are zero-filled) into `stage`.
-__device__ __forceinline__ void load_stage(uint8_t* stage, const FwdParams& p, int64_t slot, int h,
-                                           int64_t token0, int rows) {
-  const uint8_t* record = static_cast<const uint8_t*>(p.workspace) +
-                          (static_cast<size_t>(slot) * p.heads + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
-  for (int i = threadIdx.x; i < ChunkRecordLayout::kBytes / 16; i += kRecThreads) {
-    cp_async_16(stage + 16 * i, record + 16 * i, 16);
-  }
-  constexpr int kPiecesPerRow = kHeadDim * 2 / 16;
-  const auto* v = static_cast<const __nv_bfloat16*>(p.v);
-  for (int i = threadIdx.x; i < kChunk * kPiecesPerRow; i += kRecThreads) {
-    const int r = i / kPiecesPerRow, piece = i % kPiecesPerRow;
-    const bool valid = r < rows;
-    const __nv_bfloat16* src = valid ? v + ((token0 + r) * p.heads + h) * kHeadDim + piece * 8 : v;
-    cp_async_16(stage + ChunkRecordLayout::kBytes + 16 * i, src, valid ? 16 : 0);
-  }
-  cp_async_commit();
-}
+// Shared-memory ring of one CTA that owns kWarps * 16 state rows.
+template <int kWarps>
+struct RecurrenceSmem {
+  static constexpr int kRows = kWarps * 16;
+  // Value rows [token c][v of this CTA], padded by 16 bytes so the 8 rows an ldmatrix phase reads sit in
+  // different banks (and every row stays 16-byte aligned for the bulk copies).
+  static constexpr int kValueStride = kRows * 2 + 16;
+  static constexpr int kValueOffset = ChunkRecordLayout::kBytes;
+  static constexpr int kStageBytes = kValueOffset + kChunk * kValueStride;
+  static constexpr int kBarrierOffset = kStages * kStageBytes;
+  static constexpr int kBytes = kBarrierOffset + kStages * 8;
+  static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+};
 
 template <typename StateT>
 __device__ __forceinline__ void load_state_pair(const StateT* src, float& a, float& b);
@@ -79,20 +67,74 @@ __device__ __forceinline__ void store_state_pair(__nv_bfloat16* dst, float a, fl
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
 }
 
-template <typename StateT>
-__global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const FwdParams p) {
+// Warp 0 fills `stage` with chunk data: the record (one bulk copy by lane 0) and the CTA's slice of each
+// valid value row (one bulk copy per token by lanes 0..15); rows past the end of the sequence are zeroed so
+// that β = 0 meets finite values there.
+template <int kWarps>
+__device__ __forceinline__ void fill_stage(uint8_t* stage, uint64_t* full, const FwdParams& p, int64_t slot,
+                                           int h, int64_t token0, int rows, int v0, int lane) {
+  using Smem = RecurrenceSmem<kWarps>;
+  constexpr uint32_t kRowBytes = Smem::kRows * 2;
+  uint8_t* value_rows = stage + Smem::kValueOffset;
+  if (lane < kChunk && lane >= rows) {
+    uint4* dst = reinterpret_cast<uint4*>(value_rows + lane * Smem::kValueStride);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(kRowBytes / 16); ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  __syncwarp();
+  if (lane == 0) {
+    mbarrier_arrive_expect_tx(full, ChunkRecordLayout::kBytes + static_cast<uint32_t>(rows) * kRowBytes);
+  }
+  __syncwarp();
+  if (lane == 0) {
+    const uint8_t* record = static_cast<const uint8_t*>(p.workspace) +
+                            (static_cast<size_t>(slot) * p.heads + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
+    bulk_copy_g2s(stage, record, ChunkRecordLayout::kBytes, full);
+  }
+  if (lane < rows) {
+    const auto* v = static_cast<const __nv_bfloat16*>(p.v) + ((token0 + lane) * p.heads + h) * kHeadDim + v0;
+    bulk_copy_g2s(value_rows + lane * Smem::kValueStride, v, kRowBytes, full);
+  }
+}
+
+template <typename StateT, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
+  using Smem = RecurrenceSmem<kWarps>;
   const int64_t n = blockIdx.x;
   const int h = blockIdx.y;
   const int H = p.heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
-  const int v_base = warp * 16;
+  const int cta_v0 = blockIdx.z * Smem::kRows;  // first state row of this CTA
+  const int local_v = warp * 16;                 // this warp's first row inside the CTA's slice
+  const int v_base = cta_v0 + local_v;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Smem::kBarrierOffset);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
 
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   const int64_t len = bounds.eos - bounds.bos;
   const int64_t num_chunks = (len + kChunk - 1) / kChunk;
   const int64_t slot0 = first_slot(bounds.bos, n);
   const size_t state_offset = (static_cast<size_t>(n) * H + h) * kHeadDim * kHeadDim;
+  auto rows_of = [&](int64_t chunk) {
+    const int64_t remaining = len - chunk * kChunk;
+    return static_cast<int>(remaining < kChunk ? remaining : kChunk);
+  };
+  auto fill = [&](int64_t chunk) {
+    const int s = static_cast<int>(chunk % kStages);
+    fill_stage<kWarps>(smem + s * Smem::kStageBytes, &full[s], p, slot0 + chunk, h, bounds.bos + chunk * kChunk,
+                       rows_of(chunk), cta_v0, lane);
+  };
+  if (warp == 0) {
+    for (int64_t c = 0; c < kStages - 1 && c < num_chunks; ++c) fill(c);
+  }
 
   // s[nt][i]: S[v_base + gi + 8*(i/2)][8*nt + 2*ti + i%2]
   float s[kHeadDim / 8][4];
@@ -114,27 +156,23 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
     }
   }
 
-  __shared__ __align__(16) uint8_t smem[kStages][kStageBytes];
-  auto rows_of = [&](int64_t chunk) {
-    const int64_t remaining = len - chunk * kChunk;
-    return static_cast<int>(remaining < kChunk ? remaining : kChunk);
-  };
-  if (num_chunks > 0) {
-    load_stage(smem[0], p, slot0, h, bounds.bos, rows_of(0));
-  }
   auto* out = static_cast<__nv_bfloat16*>(p.out);
+  // ldmatrix row offsets of this lane (bytes inside a stage), fixed for the whole sequence.
+  const int mat = lane >> 3, mrow = lane & 7;
+  // Kd/Qd as B (k = state column, n = token): matrices (n-tile, k half) = (mat / 2, mat % 2).
+  const int wide_row = mrow + 8 * (mat >> 1), wide_half = mat & 1;
+  // Krᵀ/INV/Mqk as B: rows of the stored [rows][16] matrix, k half mat % 2, n-tile pair mat / 2.
+  const int narrow_row = mrow + 8 * (mat >> 1), narrow_half = mat & 1;
+  // Value rows as the transposed A-like fragment of Vᵀ: (token tile, v half) = (mat / 2, mat % 2).
+  const int value_offset = Smem::kValueOffset + (mrow + 8 * (mat >> 1)) * Smem::kValueStride + 2 * (local_v + 8 * (mat & 1));
 
   for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-    if (chunk + 1 < num_chunks) {
-      load_stage(smem[(chunk + 1) % kStages], p, slot0 + chunk + 1, h, bounds.bos + (chunk + 1) * kChunk,
-                 rows_of(chunk + 1));
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    // Refill the stage the previous step released (the CTA barrier at the end of that step).
+    if (warp == 0 && chunk + kStages - 1 < num_chunks) fill(chunk + kStages - 1);
+    const int stage_index = static_cast<int>(chunk % kStages);
+    const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
+    mbarrier_wait_parity(&full[stage_index], static_cast<uint32_t>((chunk / kStages) & 1));
 
-    const uint8_t* stage = smem[chunk % kStages];
     const auto* kd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKdOffset);
     const auto* qd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kQdOffset);
     const auto* krt = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKrTOffset);
@@ -142,61 +180,84 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
     const auto* mqk = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kMqkOffset);
     const auto* decay = reinterpret_cast<const float*>(stage + ChunkRecordLayout::kDecayOffset);
     const auto* beta = reinterpret_cast<const float*>(stage + ChunkRecordLayout::kBetaOffset);
-    const auto* vt = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kBytes);
 
     // bf16(S) as A fragments, k-step ks covering state columns 16ks..16ks+15.
     uint32_t s_frag[kHeadDim / 16][4];
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) acc_to_a_frag(s_frag[ks], s[2 * ks], s[2 * ks + 1]);
 
+    // Pᵀ and Oᵀ: four independent accumulation chains, each over k-steps 0..7 in order.
     float p_acc[2][4] = {};
     float o_acc[2][4] = {};
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      uint32_t kd_frag[4], qd_frag[4];
+      const int col = 16 * ks + 8 * wide_half;
+      ldmatrix_x4(kd_frag, kd + swizzle_wide(wide_row, col));
+      ldmatrix_x4(qd_frag, qd + swizzle_wide(wide_row, col));
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        uint32_t b[2];
-        load_b_frag(b, kd + 8 * nt * kHeadDim + 16 * ks, kHeadDim, lane);
-        mma_bf16_16816(p_acc[nt], s_frag[ks], b);
-      }
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        uint32_t b[2];
-        load_b_frag(b, qd + 8 * nt * kHeadDim + 16 * ks, kHeadDim, lane);
-        mma_bf16_16816(o_acc[nt], s_frag[ks], b);
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t bk[2] = {kd_frag[2 * nt], kd_frag[2 * nt + 1]};
+        const uint32_t bq[2] = {qd_frag[2 * nt], qd_frag[2 * nt + 1]};
+        mma_bf16_16816(p_acc[nt], s_frag[ks], bk);
+        mma_bf16_16816(o_acc[nt], s_frag[ks], bq);
       }
     }
 
     // Wᵀ[v][c] = β[c]·(V[c][v] − Pᵀ[v][c]).
+    uint32_t v_frag[4];  // [token tile nt][v half]: (V[8nt+2t][v], V[8nt+2t+1][v]), v = g (+8)
+    ldmatrix_x4_trans(v_frag, stage + value_offset);
     float w[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
+      const float2 b = *reinterpret_cast<const float2*>(beta + 8 * nt + 2 * ti);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c = 8 * nt + 2 * ti + (i & 1);
-        const int row = v_base + gi + 8 * (i >> 1);
-        w[nt][i] = __fmul_rn(beta[c], __fsub_rn(bf16_to_float(vt[c * kHeadDim + row]), p_acc[nt][i]));
+      for (int half = 0; half < 2; ++half) {
+        const __nv_bfloat162 vv = *reinterpret_cast<const __nv_bfloat162*>(&v_frag[2 * nt + half]);
+        w[nt][2 * half] = __fmul_rn(b.x, __fsub_rn(__low2float(vv), p_acc[nt][2 * half]));
+        w[nt][2 * half + 1] = __fmul_rn(b.y, __fsub_rn(__high2float(vv), p_acc[nt][2 * half + 1]));
       }
     }
     uint32_t w_frag[4];
     acc_to_a_frag(w_frag, w[0], w[1]);
 
-    // Uᵀ = bf16(Wᵀ)·INVᵀ: B(k = c, n = c') = INV[c'][c], i.e. INV stored row-major.
+    // Uᵀ = bf16(Wᵀ)·INVᵀ: B(k = c, n = c') = INV[c'][c], i.e. INV's rows.
+    uint32_t inv_frag[4], mqk_frag[4];
+    ldmatrix_x4(inv_frag, inv + swizzle_narrow(narrow_row, 8 * narrow_half));
+    ldmatrix_x4(mqk_frag, mqk + swizzle_narrow(narrow_row, 8 * narrow_half));
     float u[2][4] = {};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      uint32_t b[2];
-      load_b_frag(b, inv + 8 * nt * kChunk, kChunk, lane);
+      const uint32_t b[2] = {inv_frag[2 * nt], inv_frag[2 * nt + 1]};
       mma_bf16_16816(u[nt], w_frag, b);
     }
     uint32_t u_frag[4];
     acc_to_a_frag(u_frag, u[0], u[1]);
 
-    // Oᵀ += bf16(Uᵀ)·Mqkᵀ, then out[token c'][h][v].
+    // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = Krᵀ's rows. (Issued before the
+    // output so that the next step's chain starts as early as possible.)
+#pragma unroll
+    for (int pair = 0; pair < kHeadDim / 16; ++pair) {
+      uint32_t kr_frag[4];
+      ldmatrix_x4(kr_frag, krt + swizzle_narrow(16 * pair + narrow_row, 8 * narrow_half));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int nt = 2 * pair + j;
+        const float2 d = *reinterpret_cast<const float2*>(decay + 8 * nt + 2 * ti);
+        s[nt][0] = __fmul_rn(s[nt][0], d.x);
+        s[nt][1] = __fmul_rn(s[nt][1], d.y);
+        s[nt][2] = __fmul_rn(s[nt][2], d.x);
+        s[nt][3] = __fmul_rn(s[nt][3], d.y);
+        const uint32_t b[2] = {kr_frag[2 * j], kr_frag[2 * j + 1]};
+        mma_bf16_16816(s[nt], u_frag, b);
+      }
+    }
+
+    // Oᵀ += bf16(Uᵀ)·Mqkᵀ, then out[token][h][v]: each 8x8 bf16 block is transposed in registers so a lane
+    // stores two adjacent v of one token.
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      uint32_t b[2];
-      load_b_frag(b, mqk + 8 * nt * kChunk, kChunk, lane);
+      const uint32_t b[2] = {mqk_frag[2 * nt], mqk_frag[2 * nt + 1]};
       mma_bf16_16816(o_acc[nt], u_frag, b);
     }
     const int rows = rows_of(chunk);
@@ -204,28 +265,15 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c = 8 * nt + 2 * ti + (i & 1);
-        const int row = v_base + gi + 8 * (i >> 1);
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t block = movmatrix_trans(pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1]));
+        const int c = 8 * nt + gi;  // token inside the chunk
         if (c < rows) {
-          out[((token0 + c) * H + h) * kHeadDim + row] = __float2bfloat16_rn(o_acc[nt][i]);
+          *reinterpret_cast<uint32_t*>(out + ((token0 + c) * H + h) * kHeadDim + v_base + 8 * half + 2 * ti) = block;
         }
       }
     }
-
-    // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = KrT[col][c].
-#pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      const float d0 = decay[8 * nt + 2 * ti], d1 = decay[8 * nt + 2 * ti + 1];
-      s[nt][0] = __fmul_rn(s[nt][0], d0);
-      s[nt][1] = __fmul_rn(s[nt][1], d1);
-      s[nt][2] = __fmul_rn(s[nt][2], d0);
-      s[nt][3] = __fmul_rn(s[nt][3], d1);
-      uint32_t b[2];
-      load_b_frag(b, krt + 8 * nt * kChunk, kChunk, lane);
-      mma_bf16_16816(s[nt], u_frag, b);
-    }
-    __syncthreads();  // every warp is done with this stage before it is refilled
+    __syncthreads();  // every warp is done with this stage before warp 0 refills it
   }
 
   if (p.final_state != nullptr) {
@@ -241,17 +289,45 @@ __global__ void __launch_bounds__(kRecThreads, 1) kda_recurrence_kernel(const Fw
   }
 }
 
+template <typename StateT, int kWarps>
+void launch_with(const FwdParams& p, int v_split, cudaStream_t stream) {
+  using Smem = RecurrenceSmem<kWarps>;
+  auto kernel = kda_recurrence_kernel<StateT, kWarps>;
+  // More than 48 KB of dynamic shared memory needs an opt-in, once per function and device (no sync).
+  constexpr int kMaxDevices = 64;
+  static bool opted_in[kMaxDevices] = {};
+  int device = 0;
+  KDA_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= kMaxDevices || !opted_in[device]) {
+    KDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
+    if (device < kMaxDevices) opted_in[device] = true;
+  }
+  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads), static_cast<unsigned>(v_split));
+  kernel<<<grid, kWarps * 32, Smem::kBytes, stream>>>(p);
+  KDA_CHECK_LAUNCH("kda_recurrence_kernel");
+}
+
+template <typename StateT>
+void launch_for_state(const FwdParams& p, int v_split, cudaStream_t stream) {
+  switch (v_split) {
+    case 1: return launch_with<StateT, 8>(p, v_split, stream);
+    case 2: return launch_with<StateT, 4>(p, v_split, stream);
+    case 4: return launch_with<StateT, 2>(p, v_split, stream);
+    case 8: return launch_with<StateT, 1>(p, v_split, stream);
+    default: throw std::invalid_argument("flash_kda: v_split must be 1, 2, 4 or 8, got " + std::to_string(v_split));
+  }
+}
+
 }  // namespace
 
 void launch_recurrence(const FwdParams& p, cudaStream_t stream) {
   if (p.num_seqs == 0 || p.heads == 0) return;
-  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads));
+  const int v_split = p.v_split > 0 ? p.v_split : choose_v_split(p.num_seqs, p.heads, current_sm_count());
   if (p.state_is_fp32) {
-    kda_recurrence_kernel<float><<<grid, kRecThreads, 0, stream>>>(p);
+    launch_for_state<float>(p, v_split, stream);
   } else {
-    kda_recurrence_kernel<__nv_bfloat16><<<grid, kRecThreads, 0, stream>>>(p);
+    launch_for_state<__nv_bfloat16>(p, v_split, stream);
   }
-  KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
 
 }  // namespace kda

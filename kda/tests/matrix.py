@@ -8,6 +8,9 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
 - ``long_context``: T 131072 and 1048576 (H = 1), varlen [131072] and [524288, 524288]; in+out bf16 state.
 - ``adversarial``: extreme gates, biases and beta logits, near-collinear keys, lower_bound at both ends,
   zero-length sequences, T = 0, int32 cu_seqlens, in-place state.
+- ``forced_vsplit``: every case of the slices above except smoke and long_context again, with the
+  recurrence's V split forced (``flash_kda.testing.force_plan``) to 1, 2, 4 or 8 in turn, so every split runs
+  on every kind of shape (the automatic choice gives H96 split 1, H32 split 4, H1/H4 split 8).
 
 A state configuration is (state_io, state_dtype): state_io in STATE_IO, state dtype bf16 or fp32 ("none" for
 no_state, where no state tensor exists so the dtype has no meaning and is not repeated).
@@ -34,7 +37,11 @@ VARLEN_SEQLENS = (
 )
 BATCHED_BT = ((2, 64), (2, 1024), (4, 256), (8, 128))
 VARLEN_H = (1, 4, 96)
-SLICES = ("smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial")
+SLICES = (
+    "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
+    "forced_vsplit",
+)  # fmt: skip
+FORCED_V_SPLITS = (1, 2, 4, 8)
 
 # Input recipes of the adversarial slice (``Case.inputs``); "random" is the default everywhere.
 INPUT_RECIPES = (
@@ -65,6 +72,7 @@ class Case:
     inputs: str = "random"
     cu_seqlens_int32: bool = False
     inplace_state: bool = False  # final_state is the same tensor as initial_state
+    v_split: int = 0  # recurrence V split forced through flash_kda.testing.force_plan; 0: automatic
     seed: int = -1  # -1: derived from the id
 
     def __post_init__(self) -> None:
@@ -121,6 +129,8 @@ class Case:
             extras.append("inplace")
         if self.slice in ("smoke", "adversarial"):  # their shapes recur in other slices
             extras.insert(0, "adv" if self.slice == "adversarial" else "smoke")
+        if self.v_split:
+            extras.insert(0, f"vsplit{self.v_split}")
         prefix = "".join(f"{x}_" for x in extras)
         return f"{prefix}{shape}_state_dtype={self.state_dtype}[{self.state_io}]"
 
@@ -188,10 +198,20 @@ def _adversarial() -> list[Case]:
     return cases
 
 
+def _forced_vsplit(base: list[Case]) -> list[Case]:
+    """The base cases again with the V split forced, cycling through FORCED_V_SPLITS (same inputs: same seed)."""
+    return [
+        dataclasses.replace(c, slice="forced_vsplit", v_split=FORCED_V_SPLITS[i % len(FORCED_V_SPLITS)])
+        for i, c in enumerate(base)
+    ]
+
+
 def all_cases() -> list[Case]:
     cases = [Case("smoke", H=4, T=97, seed=0)]
-    cases += _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
-    cases += _varlen() + _batched() + _long_context() + _adversarial()
+    base = _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
+    base += _varlen() + _batched()
+    adversarial = _adversarial()
+    cases += base + _long_context() + adversarial + _forced_vsplit(base + adversarial)
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases

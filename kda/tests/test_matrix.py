@@ -2,7 +2,7 @@
 
 Every case (matrix.py; ``--kda-slice`` picks slices):
 1. builds its inputs on the GPU from its seed, NaN-poisons ``out`` and ``final_state``;
-2. calls ``flash_kda.fwd``;
+2. calls ``flash_kda.fwd`` (under ``flash_kda.testing.force_plan`` when the case forces a V split);
 3. asserts ``torch.equal`` with ``numerics.twin_forward`` on out and on final_state (cast to the state dtype);
 4. asserts the inputs are unchanged (bitwise, against clones taken before the call);
 5. compares with the float64 ground truth ``reference.reference_chunked`` (on the GPU): relative L2 of out and
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import flash_kda
-from flash_kda import compare, reference
+from flash_kda import compare, reference, testing
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +70,8 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     args = {**matrix.twin_args(x), "initial_state": before.get("initial_state")}
     stage("inputs")
 
-    flash_kda.fwd(**_fwd_args(x))
+    with testing.force_plan(v_split=case.v_split):
+        flash_kda.fwd(**_fwd_args(x))
     stage("flash_kda.fwd")
 
     failures: list[str] = []

@@ -321,6 +321,51 @@ def test_check_cu_seqlens_types():
         flash_kda.check_cu_seqlens(torch.tensor([0]), 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q", "v", "out", "dt_bias", "initial_state"])
+def test_misaligned_view_cuda(name):
+    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in inputs().items()}
+    t = x[name]
+    shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view(t.shape)  # 2 or 4 bytes off
+    x[name] = shifted
+    with pytest.raises(ValueError, match=rf"{name} must start at a 16-byte aligned address on CUDA"):
+        flash_kda.fwd(**x)
+
+
+# --- the execution plan (host-side rule; needs the extension, not a GPU) --------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_seqs, heads, expected",
+    [(1, 96, 1), (1, 64, 2), (1, 32, 4), (1, 16, 8), (1, 8, 8), (1, 1, 8), (8, 32, 1), (64, 32, 1), (6, 4, 4),
+     (1, 66, 2), (1, 67, 1), (0, 4, 8)],
+)  # fmt: skip
+def test_default_v_split(num_seqs, heads, expected):
+    from flash_kda import testing
+
+    assert testing.default_v_split(num_seqs, heads, 132) == expected
+
+
+@pytest.mark.parametrize("v_split", [3, 16, -1, True, 2.0])
+def test_force_plan_refuses_bad_v_split(v_split):
+    from flash_kda import testing
+
+    with pytest.raises(ValueError, match=r"v_split must be 0 \(automatic\) or one of \[1, 2, 4, 8\]"):
+        with testing.force_plan(v_split=v_split):
+            pass
+
+
+def test_force_plan_restores():
+    from flash_kda import testing
+
+    with testing.force_plan(v_split=4):
+        assert api._forced_v_split == 4
+        with testing.force_plan(v_split=8):
+            assert api._forced_v_split == 8
+        assert api._forced_v_split == 4
+    assert api._forced_v_split == 0
+
+
 # --- workspace -------------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,9 @@ LOWER_BOUND_RANGE = (-5.0, 0.0)  # the kernel's chunk size keeps 2^{±G} in rang
 REQUIRED_CAPABILITY = (9, 0)  # the kernel is compiled for sm_90a, which runs on compute capability 9.0 only.
 _STATE_DTYPES = (torch.bfloat16, torch.float32)
 _CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
+_ALIGNMENT = 16  # bytes: q, k, v, g, out, dt_bias and the states are read/written with 16-byte accesses
+_V_SPLITS = (1, 2, 4, 8)
+_forced_v_split = 0  # 0: the kernel chooses; set only through flash_kda.testing.force_plan
 
 
 def fwd(
@@ -133,6 +136,16 @@ def fwd(
             raise ValueError(f"{name} must be contiguous, got {name}.stride()={t.stride()} for shape {tuple(t.shape)}")
     if workspace is not None and not workspace.is_contiguous():
         raise ValueError(f"workspace must be contiguous, got {workspace.stride()=}")
+    if q.device.type == "cuda":
+        # The kernels move rows with 16-byte vector loads and bulk copies; fresh allocations always qualify,
+        # a view that starts mid-row may not.
+        aligned = {**given, "workspace": workspace} if workspace is not None else given
+        for name, t in aligned.items():
+            if t.data_ptr() % _ALIGNMENT and name not in ("beta", "A_log", "cu_seqlens"):
+                raise ValueError(
+                    f"{name} must start at a {_ALIGNMENT}-byte aligned address on CUDA, got "
+                    f"{name}.data_ptr() % {_ALIGNMENT} = {t.data_ptr() % _ALIGNMENT} (a view with a storage offset?)"
+                )
 
     # --- shape
     if q.dim() != 4:
@@ -214,7 +227,7 @@ def fwd(
             ptr(initial_state), ptr(final_state), state_is_fp32,
             ptr(cu_seqlens), cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
             B, T, N, H, float(scale), float(lower_bound),
-            ptr(workspace), workspace.numel(), torch.cuda.current_stream(q.device).cuda_stream,
+            ptr(workspace), workspace.numel(), _forced_v_split, torch.cuda.current_stream(q.device).cuda_stream,
         )  # fmt: skip
     return None
 
