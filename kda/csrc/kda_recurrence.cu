@@ -11,9 +11,10 @@
 //   Oᵀ += bf16(Uᵀ) · Mqkᵀ  -> out
 //   S   = S ⊙ 2^Γ + bf16(Uᵀ) · Kr     (fp32 accumulators)
 // Data movement: the copy engine brings each chunk's workspace record (one bulk copy; the record is already
-// the swizzled shared-memory image, kda_params.h) and the CTA's slice of the 16 value rows (one bulk copy per
-// token) into a ring of kStages stages, completing on one mbarrier per stage; fragments come out of shared
-// memory with conflict-free ldmatrix, and outputs leave through movmatrix-transposed 4-byte stores.
+// the swizzled shared-memory image, kda_params.h) into a ring of kStages stages, completing on one mbarrier
+// per stage; each warp fetches its own slice of the 16 value rows with one cp.async per lane. Fragments come
+// out of shared memory with conflict-free ldmatrix, and outputs leave through movmatrix-transposed 4-byte
+// stores.
 #include <cuda_bf16.h>
 
 #include <stdexcept>
@@ -67,34 +68,26 @@ __device__ __forceinline__ void store_state_pair(__nv_bfloat16* dst, float a, fl
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
 }
 
-// Warp 0 fills `stage` with chunk data: the record (one bulk copy by lane 0) and the CTA's slice of each
-// valid value row (one bulk copy per token by lanes 0..15); rows past the end of the sequence are zeroed so
-// that β = 0 meets finite values there.
-template <int kWarps>
-__device__ __forceinline__ void fill_stage(uint8_t* stage, uint64_t* full, const FwdParams& p, int64_t slot,
-                                           int h, int64_t token0, int rows, int v0, int lane) {
-  using Smem = RecurrenceSmem<kWarps>;
-  constexpr uint32_t kRowBytes = Smem::kRows * 2;
-  uint8_t* value_rows = stage + Smem::kValueOffset;
-  if (lane < kChunk && lane >= rows) {
-    uint4* dst = reinterpret_cast<uint4*>(value_rows + lane * Smem::kValueStride);
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(kRowBytes / 16); ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
-  }
-  __syncwarp();
+// Warp 0 brings chunk `slot`'s workspace record into `stage` with one bulk copy that completes on `full`.
+__device__ __forceinline__ void fill_record(uint8_t* stage, uint64_t* full, const FwdParams& p, int64_t slot, int h,
+                                            int lane) {
   if (lane == 0) {
-    mbarrier_arrive_expect_tx(full, ChunkRecordLayout::kBytes + static_cast<uint32_t>(rows) * kRowBytes);
-  }
-  __syncwarp();
-  if (lane == 0) {
+    mbarrier_arrive_expect_tx(full, ChunkRecordLayout::kBytes);
     const uint8_t* record = static_cast<const uint8_t*>(p.workspace) +
                             (static_cast<size_t>(slot) * p.heads + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
     bulk_copy_g2s(stage, record, ChunkRecordLayout::kBytes, full);
   }
-  if (lane < rows) {
-    const auto* v = static_cast<const __nv_bfloat16*>(p.v) + ((token0 + lane) * p.heads + h) * kHeadDim + v0;
-    bulk_copy_g2s(value_rows + lane * Smem::kValueStride, v, kRowBytes, full);
-  }
+}
+
+// Each warp copies its own 16 state rows' slice of the chunk's 16 value rows (one 16-byte cp.async per lane:
+// token lane / 2, rows half lane % 2), as one commit group; rows past the end of the sequence are zero-filled
+// so that β = 0 meets finite values there. Only this warp reads them: no CTA-wide synchronisation.
+__device__ __forceinline__ void fill_values(uint8_t* value_tile, int value_stride, const __nv_bfloat16* v_rows,
+                                            int64_t row_stride, int rows, int local_v, int lane) {
+  const int c = lane >> 1, piece = lane & 1;
+  const bool valid = c < rows;
+  const __nv_bfloat16* src = v_rows + (valid ? c * row_stride + 8 * piece : 0);
+  cp_async_16(value_tile + c * value_stride + 2 * (local_v + 8 * piece), src, valid ? 16 : 0);
 }
 
 template <typename StateT, int kWarps>
@@ -123,18 +116,24 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
   const int64_t num_chunks = (len + kChunk - 1) / kChunk;
   const int64_t slot0 = first_slot(bounds.bos, n);
   const size_t state_offset = (static_cast<size_t>(n) * H + h) * kHeadDim * kHeadDim;
+  const int64_t token_stride = static_cast<int64_t>(H) * kHeadDim;  // elements between consecutive tokens
+  // This head's value / output rows of the sequence's first token, at this warp's first state row.
+  const auto* v_seq = static_cast<const __nv_bfloat16*>(p.v) + bounds.bos * token_stride + h * kHeadDim + v_base;
   auto rows_of = [&](int64_t chunk) {
     const int64_t remaining = len - chunk * kChunk;
     return static_cast<int>(remaining < kChunk ? remaining : kChunk);
   };
+  // Issues chunk `chunk`'s copies into its stage; every warp commits one cp.async group per call.
   auto fill = [&](int64_t chunk) {
-    const int s = static_cast<int>(chunk % kStages);
-    fill_stage<kWarps>(smem + s * Smem::kStageBytes, &full[s], p, slot0 + chunk, h, bounds.bos + chunk * kChunk,
-                       rows_of(chunk), cta_v0, lane);
+    if (chunk < num_chunks) {
+      uint8_t* stage = smem + static_cast<int>(chunk % kStages) * Smem::kStageBytes;
+      if (warp == 0) fill_record(stage, &full[chunk % kStages], p, slot0 + chunk, h, lane);
+      fill_values(stage + Smem::kValueOffset, Smem::kValueStride, v_seq + chunk * kChunk * token_stride,
+                  token_stride, rows_of(chunk), local_v, lane);
+    }
+    cp_async_commit();
   };
-  if (warp == 0) {
-    for (int64_t c = 0; c < kStages - 1 && c < num_chunks; ++c) fill(c);
-  }
+  for (int64_t c = 0; c < kStages - 1; ++c) fill(c);
 
   // s[nt][i]: S[v_base + gi + 8*(i/2)][8*nt + 2*ti + i%2]
   float s[kHeadDim / 8][4];
@@ -156,7 +155,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     }
   }
 
-  auto* out = static_cast<__nv_bfloat16*>(p.out);
   // ldmatrix row offsets of this lane (bytes inside a stage), fixed for the whole sequence.
   const int mat = lane >> 3, mrow = lane & 7;
   // Kd/Qd as B (k = state column, n = token): matrices (n-tile, k half) = (mat / 2, mat % 2).
@@ -166,9 +164,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
   // Value rows as the transposed A-like fragment of Vᵀ: (token tile, v half) = (mat / 2, mat % 2).
   const int value_offset = Smem::kValueOffset + (mrow + 8 * (mat >> 1)) * Smem::kValueStride + 2 * (local_v + 8 * (mat & 1));
 
+  auto* out_seq = static_cast<__nv_bfloat16*>(p.out) + bounds.bos * token_stride + h * kHeadDim + v_base + 2 * ti;
   for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-    // Refill the stage the previous step released (the CTA barrier at the end of that step).
-    if (warp == 0 && chunk + kStages - 1 < num_chunks) fill(chunk + kStages - 1);
+    // Refill the stage the previous step released (the CTA barrier at the end of that step), then wait for
+    // this chunk: its value rows (this warp's own copies, the oldest of kStages groups) and its record.
+    fill(chunk + kStages - 1);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
     const int stage_index = static_cast<int>(chunk % kStages);
     const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
     mbarrier_wait_parity(&full[stage_index], static_cast<uint32_t>((chunk / kStages) & 1));
@@ -261,15 +263,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
       mma_bf16_16816(o_acc[nt], u_frag, b);
     }
     const int rows = rows_of(chunk);
-    const int64_t token0 = bounds.bos + chunk * kChunk;
+    __nv_bfloat16* out_chunk = out_seq + (chunk * kChunk + gi) * token_stride;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint32_t block = movmatrix_trans(pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1]));
-        const int c = 8 * nt + gi;  // token inside the chunk
-        if (c < rows) {
-          *reinterpret_cast<uint32_t*>(out + ((token0 + c) * H + h) * kHeadDim + v_base + 8 * half + 2 * ti) = block;
+        if (8 * nt + gi < rows) {  // token 8nt + gi of the chunk
+          *reinterpret_cast<uint32_t*>(out_chunk + 8 * nt * token_stride + 8 * half) = block;
         }
       }
     }

@@ -47,6 +47,18 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
       : "memory");
 }
 
+// ---- per-thread 16-byte async copy global -> shared (zero-fills the bytes past src_bytes), in commit groups --
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // ---- warp-wide fragment loads and transposes ------------------------------------------------------------
 // Four 8x8 bf16 matrices; lane i gives the address of row i % 8 of matrix i / 8 (16 bytes each). Thread
 // (g = lane / 4, t = lane % 4) receives elements (g, 2t) and (g, 2t + 1) of matrix j in r[j].
