@@ -543,6 +543,8 @@ def main(argv: list[str]) -> None:
         logging.info("case %d/%d %s done in %.1f s (%.0f s so far): %s", i + 1, len(cases), case.name,
                      time.time() - t0, time.time() - t_run,
                      ", ".join(f"{impl} {_fmt(row[f'{impl}_ms'], '.3f')} ms" for impl in IMPLS))
+        if FLAGS.json:  # after every case: a run cut short by a time limit keeps what it measured
+            write_json(FLAGS.json, rows, meta)
     if earlier:
         for row in rows:
             fill_from_earlier(row, earlier)

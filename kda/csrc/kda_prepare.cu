@@ -1,7 +1,8 @@
 // KDA forward, stage 1 of 2: the token-parallel preparation kernel.
 //
-// One warp per (chunk slot, head) item; warps never wait for each other, so many items are in flight per SM
-// and the kernel runs at the memory system's pace. Lane l owns channels 4l..4l+3 of every row of the chunk.
+// One warp per (chunk slot, head) item; warps never wait for each other, so many items are in flight per SM.
+// Lane l owns channels 4l..4l+3 of every row of the chunk; q and k reach shared memory by async copies while
+// the gates are computed.
 // The warp computes everything of a 16-token chunk that does not depend on the state S (SPEC §2):
 // L2-normalised q/k, the per-channel log2 gates and their in-chunk cumulative sum G, Kd = k̂·2^G,
 // Qd = scale·q̂·2^G, Kr = k̂·2^{Γ-G}, 2^Γ, β, the products A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, and
@@ -131,6 +132,18 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdPara
   auto* rec_decay = reinterpret_cast<float*>(record + ChunkRecordLayout::kDecayOffset);
   auto* rec_beta = reinterpret_cast<float*>(record + ChunkRecordLayout::kBetaOffset);
 
+  // Phase 0: q and k rows go to shared memory asynchronously (one 8-byte copy per lane and row, zeros past the
+  // end of the sequence), so their latency overlaps the gates below instead of stalling every row. They land
+  // in the Qd / Ki scratch tiles, which each row overwrites with its results only after reading itself.
+#pragma unroll
+  for (int r = 0; r < kChunk; ++r) {
+    const bool valid = r < rows;
+    const int64_t at = valid ? row_offset(r) : 0;
+    cp_async_8(sc.qd + r * kHeadDim + ch0, q + at, valid ? 8 : 0);
+    cp_async_8(sc.ki + r * kHeadDim + ch0, k + at, valid ? 8 : 0);
+  }
+  cp_async_commit();
+
   // Phase 1: gates γ = sigmoid((g + dt_bias)·2^(A_log·log2 e))·lower_bound·log2 e and their running sum G.
   const float exp_a = ex2_approx(__fmul_rn(p.A_log[h], kLog2e));
   const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
@@ -168,16 +181,32 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdPara
     decay.w = ex2_approx(cum[kChunk - 1][3]);
     *reinterpret_cast<float4*>(rec_decay + ch0) = decay;
   }
+  cp_async_wait<0>();
+  __syncwarp();
 
-  // Phase 2, row by row: norms, then the decayed / restored keys and queries.
+  // Phase 2a: the 32 squared norms (q and k of 16 rows), each reduced over the warp; lane r keeps q's of row
+  // r and lane 16 + r k's, so one reciprocal square root per lane serves all rows.
+  float my_sum_sq = 0.f;
+#pragma unroll
+  for (int r = 0; r < kChunk; ++r) {
+    float qf[4], kf[4];
+    unpack4(*reinterpret_cast<const uint2*>(sc.qd + r * kHeadDim + ch0), qf);
+    unpack4(*reinterpret_cast<const uint2*>(sc.ki + r * kHeadDim + ch0), kf);
+    const float sq = sum_squares_128(qf), sk = sum_squares_128(kf);
+    if (lane == r) my_sum_sq = sq;
+    if (lane == kChunk + r) my_sum_sq = sk;
+  }
+  const float my_inv_norm = inv_norm(my_sum_sq);
+
+  // Phase 2b, row by row: the decayed / restored keys and queries.
   uint32_t krt_packed[kChannelsPerLane][kChunk / 2];
 #pragma unroll
   for (int r = 0; r < kChunk; ++r) {
     float qf[4], kf[4];
-    unpack4(load4_raw(q + row_offset(r), r < rows), qf);
-    unpack4(load4_raw(k + row_offset(r), r < rows), kf);
-    const float inv_norm_q = inv_norm(sum_squares_128(qf));
-    const float inv_norm_k = inv_norm(sum_squares_128(kf));
+    unpack4(*reinterpret_cast<const uint2*>(sc.qd + r * kHeadDim + ch0), qf);
+    unpack4(*reinterpret_cast<const uint2*>(sc.ki + r * kHeadDim + ch0), kf);
+    const float inv_norm_q = __shfl_sync(0xffffffffu, my_inv_norm, r);
+    const float inv_norm_k = __shfl_sync(0xffffffffu, my_inv_norm, kChunk + r);
     __nv_bfloat16 kd[4], qd[4], ki[4];
 #pragma unroll
     for (int c = 0; c < kChannelsPerLane; ++c) {
@@ -198,6 +227,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdPara
     }
     const int at = swizzle_wide(r, ch0);
     const uint2 kd_bits = pack4_bf16(kd), qd_bits = pack4_bf16(qd);
+    __syncwarp();  // every lane has read row r's raw q and k before any lane overwrites the row
     *reinterpret_cast<uint2*>(rec_kd + at) = kd_bits;
     *reinterpret_cast<uint2*>(rec_qd + at) = qd_bits;
     *reinterpret_cast<uint2*>(sc.kd + at) = kd_bits;

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     __syncwarp();
     const int stage_index = static_cast<int>(chunk % kStages);
     const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
-    mbarrier_wait_parity(&full[stage_index], static_cast<uint32_t>((chunk / kStages) & 1));
+    mbarrier_wait_parity_warp(&full[stage_index], static_cast<uint32_t>((chunk / kStages) & 1));
 
     const auto* kd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKdOffset);
     const auto* qd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kQdOffset);

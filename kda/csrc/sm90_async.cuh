@@ -27,7 +27,10 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+// Waits, as a whole warp, for the phase of `bar` with the given parity to complete. The exit is warp-uniform
+// (a vote), so the warp-collective .aligned instructions that follow (ldmatrix, mma) run converged: a plain
+// per-lane poll can release lanes on different iterations, and the compiler may drop a __syncwarp after it.
+__device__ __forceinline__ void mbarrier_wait_parity_warp(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   do {
     asm volatile(
@@ -35,7 +38,7 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t par
         : "=r"(done)
         : "r"(smem_addr(bar)), "r"(parity)
         : "memory");
-  } while (!done);
+  } while (!__all_sync(0xffffffffu, done != 0));
 }
 
 // ---- 1-D bulk copy global -> shared, completing on an mbarrier (16-byte aligned, size % 16 == 0) ---------
@@ -50,6 +53,12 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
 // ---- per-thread 16-byte async copy global -> shared (zero-fills the bytes past src_bytes), in commit groups --
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
+}
+// The same for 8 bytes (through L1, which .cg does not allow for pieces under 16 bytes).
+__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
                "r"(src_bytes)
                : "memory");
 }
