@@ -67,9 +67,9 @@ if [[ -n "${tests}" ]]; then
   grep -E "^Executed|tests pass|fail" "${out}/test.log" | tail -2
   python="${KDA_PYTHON:-/opt/torch/.venv/bin/python3}"
   "${python}" tools/pytest/junit_summary.py "$("${bazel}" info bazel-testlogs 2>/dev/null)" || true
-  # The failing cases' ids and first lines, if any.
-  grep -h -A4 "AssertionError: case" bazel-testlogs/kda/tests/*/test.log bazel-testlogs/kda/tests/*/shard_*/test.log \
-    2>/dev/null | cut -c1-220 | head -60
+  # The failing tests and their error lines (assertions, out-of-memory, ...), if any.
+  grep -h -E "^FAILED |^E +[A-Za-z.]*(Error|Exception)|^E +(out|final_state|input) " \
+    bazel-testlogs/kda/tests/*/test.log bazel-testlogs/kda/tests/*/shard_*/test.log 2>/dev/null | cut -c1-220 | head -60
 fi
 [[ -f "${out}/bench.log" ]] && { sed -n '/^## Speed/,$p' "${out}/bench.log"; tail -3 "${out}/bench.log"; }
 [[ -f "${out}/profile.log" ]] && grep "^|" "${out}/profile.log"

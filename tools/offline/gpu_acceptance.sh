@@ -6,12 +6,15 @@
 #   1. `bazel test //kda/tests:all` (--config=gpu_machine: KDA_REQUIRE_GPU=1, so a GPU test can fail but never
 #      skip), then the junit totals and every per-case error line of the matrix into LOG_DIR;
 #   2. `bazel run //kda:demo` (the main job on the GPU);
-#   3. unless KDA_SKIP_BENCH=1: `bazel run //kda/bench:bench_fwd` (fla's columns fill in when fla is importable,
-#      e.g. PYTHONPATH pointing at its unpacked wheels), bounded by KDA_BENCH_TIMEOUT seconds (default 300).
+#   3. unless KDA_SKIP_BENCH=1: `bazel run //kda/bench:bench_fwd $KDA_BENCH_ARGS` (default: MoonshotAI FlashKDA
+#      as the only peer, when built into /tmp/peers-site; add fla with KDA_BENCH_ARGS=--peers=fla,moonshot: its
+#      Triton autotuning takes 70-100 s per shape on a fresh machine unless TRITON_CACHE_DIR is carried),
+#      bounded by KDA_BENCH_TIMEOUT seconds (default 300).
 # Prints a summary last. Exit status: that of the tests.
 set -uo pipefail
 
 logs="${1:-/tmp/kda-gpu-logs}"
+KDA_BENCH_ARGS="${KDA_BENCH_ARGS---peers=moonshot --accuracy_max_token_heads=800000}"
 mkdir -p "${logs}"
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.."
 bazel=tools/offline/bazel-offline
@@ -54,8 +57,9 @@ echo "=== bazel run //kda:demo"
 
 if [[ "${KDA_SKIP_BENCH:-0}" != 1 ]]; then
   echo "=== bazel run //kda/bench:bench_fwd"
-  timeout "${KDA_BENCH_TIMEOUT:-300}" "${bazel}" run //kda/bench:bench_fwd -- --json "${logs}/bench.json" \
-    > "${logs}/bench.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout "${KDA_BENCH_TIMEOUT:-300}" "${bazel}" run //kda/bench:bench_fwd -- ${KDA_BENCH_ARGS} \
+    --json "${logs}/bench.json" --markdown "${logs}/bench.md" > "${logs}/bench.log" 2>&1
   echo "bench exit status $?"
 fi
 
