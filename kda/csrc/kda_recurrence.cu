@@ -155,14 +155,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     }
   }
 
-  // ldmatrix row offsets of this lane (bytes inside a stage), fixed for the whole sequence.
-  const int mat = lane >> 3, mrow = lane & 7;
-  // Kd/Qd as B (k = state column, n = token): matrices (n-tile, k half) = (mat / 2, mat % 2).
-  const int wide_row = mrow + 8 * (mat >> 1), wide_half = mat & 1;
-  // Krᵀ/INV/Mqk as B: rows of the stored [rows][16] matrix, k half mat % 2, n-tile pair mat / 2.
-  const int narrow_row = mrow + 8 * (mat >> 1), narrow_half = mat & 1;
-  // Value rows as the transposed A-like fragment of Vᵀ: (token tile, v half) = (mat / 2, mat % 2).
-  const int value_offset = Smem::kValueOffset + (mrow + 8 * (mat >> 1)) * Smem::kValueStride + 2 * (local_v + 8 * (mat & 1));
+  // The row this lane addresses for ldmatrix: matrix mat = lane / 8, row lane % 8 of it. Every B operand here
+  // (Kd, Qd with k = state column; Krᵀ, INV, Mqk with k = token) is loaded as matrices (n-tile, k half) =
+  // (mat / 2, mat % 2), i.e. stored row frag_row, 8-column half frag_half; the value rows likewise as (token
+  // tile, v half).
+  const int mat = lane >> 3;
+  const int frag_row = (lane & 7) + 8 * (mat >> 1), frag_half = mat & 1;
+  const int value_offset = Smem::kValueOffset + frag_row * Smem::kValueStride + 2 * (local_v + 8 * frag_half);
 
   auto* out_seq = static_cast<__nv_bfloat16*>(p.out) + bounds.bos * token_stride + h * kHeadDim + v_base + 2 * ti;
   for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
@@ -194,9 +193,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       uint32_t kd_frag[4], qd_frag[4];
-      const int col = 16 * ks + 8 * wide_half;
-      ldmatrix_x4(kd_frag, kd + swizzle_wide(wide_row, col));
-      ldmatrix_x4(qd_frag, qd + swizzle_wide(wide_row, col));
+      const int col = 16 * ks + 8 * frag_half;
+      ldmatrix_x4(kd_frag, kd + swizzle_wide(frag_row, col));
+      ldmatrix_x4(qd_frag, qd + swizzle_wide(frag_row, col));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const uint32_t bk[2] = {kd_frag[2 * nt], kd_frag[2 * nt + 1]};
@@ -225,8 +224,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 
     // Uᵀ = bf16(Wᵀ)·INVᵀ: B(k = c, n = c') = INV[c'][c], i.e. INV's rows.
     uint32_t inv_frag[4], mqk_frag[4];
-    ldmatrix_x4(inv_frag, inv + swizzle_narrow(narrow_row, 8 * narrow_half));
-    ldmatrix_x4(mqk_frag, mqk + swizzle_narrow(narrow_row, 8 * narrow_half));
+    ldmatrix_x4(inv_frag, inv + swizzle_narrow(frag_row, 8 * frag_half));
+    ldmatrix_x4(mqk_frag, mqk + swizzle_narrow(frag_row, 8 * frag_half));
     float u[2][4] = {};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -241,7 +240,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 #pragma unroll
     for (int pair = 0; pair < kHeadDim / 16; ++pair) {
       uint32_t kr_frag[4];
-      ldmatrix_x4(kr_frag, krt + swizzle_narrow(16 * pair + narrow_row, 8 * narrow_half));
+      ldmatrix_x4(kr_frag, krt + swizzle_narrow(16 * pair + frag_row, 8 * frag_half));
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int nt = 2 * pair + j;
