@@ -9,7 +9,11 @@
 #   KDA_BENCH      bench_fwd arguments   (default: --peers=moonshot)
 #   KDA_PROFILE    profile_kernels arguments (default: --cases=0,2,3,7 --iters=5)
 #   KDA_PEERS=1    build the peers first (bash .peers/build_peers.sh, ../shared/peers/README.md) in the background
-#   TRITON_CACHE_DIR  fla's Triton/autotuning cache (carry it between calls: ../shared/peers/README.md)
+#   TRITON_CACHE_DIR  fla's Triton/autotuning cache (default /tmp/kda-triton-cache). fla autotunes 70-100 s per
+#                  new shape on a fresh machine; the cache travels between leases as .triton-cache/part-*
+#                  (git-ignored: carry it): unpacked before the benchmark when present, and with
+#                  KDA_SAVE_TRITON_CACHE=DIR packed after it into DIR/triton-cache.part-* (xz, 15 MB parts, for
+#                  $OUT; copy them back into .triton-cache/ here).
 set -uo pipefail
 out="${1:-/tmp/kda-iter}"
 mkdir -p "${out}"
@@ -43,6 +47,12 @@ fi
 
 [[ -n "${peers_pid}" ]] && { stamp "waiting for the peers build"; wait "${peers_pid}"; tail -2 "${out}/peers_build.log"; }
 
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/kda-triton-cache}"
+if compgen -G ".triton-cache/part-*" > /dev/null; then
+  mkdir -p "${TRITON_CACHE_DIR}" && cat .triton-cache/part-* | xz -dc | tar -x -C "${TRITON_CACHE_DIR}" &&
+    stamp "unpacked the carried Triton cache into ${TRITON_CACHE_DIR}"
+fi
+
 bench="${KDA_BENCH---peers=moonshot}"
 if [[ -n "${bench}" ]]; then
   stamp "bench_fwd ${bench}"
@@ -50,6 +60,12 @@ if [[ -n "${bench}" ]]; then
   "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench.json" --markdown="${out}/bench.md" \
     --png="${out}/bench.png" > "${out}/bench.log" 2>&1
   echo "bench exit status $?" >> "${out}/bench.log"
+fi
+
+if [[ -n "${KDA_SAVE_TRITON_CACHE:-}" && -d "${TRITON_CACHE_DIR}" ]]; then
+  mkdir -p "${KDA_SAVE_TRITON_CACHE}"
+  tar -C "${TRITON_CACHE_DIR}" -c . | xz -T0 -6 | split -b 15M - "${KDA_SAVE_TRITON_CACHE}/triton-cache.part-"
+  stamp "packed the Triton cache: $(ls "${KDA_SAVE_TRITON_CACHE}"/triton-cache.part-* | wc -l) part(s)"
 fi
 
 profile="${KDA_PROFILE---cases=0,2,3,7 --iters=5}"

@@ -2,8 +2,8 @@
 
 ``flash_kda.fwd`` is a drop-in for the call that inference stacks (fla's ``chunk_kda`` backend) already make;
 CPU tensors take a portable fp32 path. Submodules: ``reference`` (float64 ground truth), ``numerics`` (the
-kernel's numerics twin and the CPU path), ``compare`` (error metrics), ``testing`` (test-only plan forcing),
-``_ext`` (the compiled helpers).
+kernel's numerics twin and the CPU path), ``compare`` (error metrics), ``ops`` (``torch.ops.flash_kda.fwd``,
+what torch.compile traces), ``testing`` (test-only plan forcing), ``_ext`` (the compiled helpers).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = [
     "fwd", "check_cu_seqlens", "workspace_bytes", "reserve_workspace", "device_info", "build_info", "__version__",
 ]
 
-_SUBMODULES = ("reference", "numerics", "compare", "api", "testing", "_ext")
+_SUBMODULES = ("reference", "numerics", "compare", "api", "ops", "testing", "_ext")
 
 
 def __getattr__(name: str):

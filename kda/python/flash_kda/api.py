@@ -85,6 +85,24 @@ def fwd(
     CPU: the fp32 chunked PyTorch path computes the same function (slow, for testing and portability); the
     contents of ``cu_seqlens`` are validated there.
     """
+    if torch.compiler.is_compiling():
+        # Traced as one opaque operator (flash_kda/ops.py): the body below reads data pointers, which fake tensors
+        # do not have, and would break the graph.
+        from flash_kda import ops  # noqa: PLC0415 -- registers the operator on first use
+
+        return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                          cu_seqlens, workspace)
+    return _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                      cu_seqlens, workspace)
+
+
+def _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+              workspace, *, concrete: bool) -> tuple[int, int, int, int]:
+    """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns (B, T, H, N).
+
+    ``concrete=False`` (fake tensors while tracing for torch.compile) skips what needs real storage or a real
+    device: the compute capability, the alignment of data pointers and the contents of ``cu_seqlens``.
+    """
     tensors = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log, "dt_bias": dt_bias,
         "initial_state": initial_state, "final_state": final_state, "cu_seqlens": cu_seqlens,
@@ -98,7 +116,7 @@ def fwd(
             raise TypeError(f"{name} is required, got {name}=None")
 
     # --- arch: the kernel is sm_90a machine code; anything else would fail at launch with a vaguer error.
-    if q.device.type == "cuda":
+    if concrete and q.device.type == "cuda":
         _check_arch(q.device)
 
     # --- dtype
@@ -136,7 +154,7 @@ def fwd(
             raise ValueError(f"{name} must be contiguous, got {name}.stride()={t.stride()} for shape {tuple(t.shape)}")
     if workspace is not None and not workspace.is_contiguous():
         raise ValueError(f"workspace must be contiguous, got {workspace.stride()=}")
-    if q.device.type == "cuda":
+    if concrete and q.device.type == "cuda":
         # The kernels move rows with 16-byte vector loads and bulk copies; fresh allocations always qualify,
         # a view that starts mid-row may not.
         aligned = {**given, "workspace": workspace} if workspace is not None else given
@@ -192,6 +210,15 @@ def fwd(
     ):
         raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got {lower_bound=}")
 
+    return B, T, H, N
+
+
+def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+               workspace) -> None:
+    """``fwd`` outside tracing: validate, then run the CUDA kernel or the CPU path."""
+    B, T, H, N = _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                           cu_seqlens, workspace, concrete=True)
+    K = V = HEAD_DIM
     if q.device.type == "cpu" and cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, T)  # no synchronisation to avoid on the host
 

@@ -1,0 +1,51 @@
+"""``flash_kda.fwd`` as a PyTorch operator, ``torch.ops.flash_kda.fwd``, for torch.compile and other tracers.
+
+``flash_kda.fwd`` reads data pointers and the device's compute capability, which fake tensors (what
+torch.compile traces with) do not have. Under tracing it therefore calls this operator instead, which the
+graph keeps as one opaque call that mutates ``out``, ``final_state`` and ``workspace``; its fake
+implementation checks the arguments the way ``fwd`` does (dtypes, devices, layouts, shapes, scalars) and
+produces nothing, so a bad call fails at trace time with the same message as in eager mode. At run time the
+operator runs ``fwd``'s eager body: the same validation, kernel or CPU path, workspace and stream.
+
+Direct calls of ``flash_kda.fwd`` do not go through the dispatcher (it costs host time per call); call
+``torch.ops.flash_kda.fwd`` yourself only where a tracer needs an operator.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flash_kda import api
+
+__all__ = ["fwd_op"]
+
+
+@torch.library.custom_op("flash_kda::fwd", mutates_args=("out", "final_state", "workspace"))
+def fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    initial_state: Optional[torch.Tensor] = None,
+    final_state: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> None:
+    """The KDA forward of ``flash_kda.fwd`` (same arguments, positional ``workspace`` last)."""
+    api._fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                   cu_seqlens, workspace)
+
+
+@fwd_op.register_fake
+def _fwd_fake(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
+              cu_seqlens=None, workspace=None) -> None:
+    api._validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+                  workspace, concrete=False)
