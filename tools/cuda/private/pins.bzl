@@ -17,4 +17,12 @@ CUDA_WHEELS = [
 
 PYBIND11_WHEEL = struct(name = "pybind11", version = "3.0.1", sha256 = "aa8f0aa6e0a94d3b64adfc38f560f33f15e589be2175e103c0a33c6bce55ee89", strip = "pybind11/include/", dest = "include/")
 
-ALL_WHEELS = CUDA_WHEELS + [PYBIND11_WHEEL]
+# fla 0.6.0 (pure Python) and what it imports beyond torch/triton: the dispatch test's peer (//kda/tests:test_fla),
+# through @fla (tools/python/fla_repository.bzl). fla's chunk_kda calls an importable `flash_kda` package.
+FLA_WHEELS = [
+    struct(name = "fla-core", version = "0.6.0", sha256 = "b0708b70e0b119cd58a0a5146ea56cb175cef6ed969d8ac60267e3e077ce3ebd", strip = "", dest = ""),
+    struct(name = "flash-linear-attention", version = "0.6.0", sha256 = "6dec9735f8454523c13553622e98aff30152dde6586b4ac7d88010fbb7a06b5f", strip = "", dest = ""),
+    struct(name = "einops", version = "0.8.1", sha256 = "919387eb55330f5757c6bea9165c5ff5cfe63a642682ea788a6d472576d81737", strip = "", dest = ""),
+]
+
+ALL_WHEELS = CUDA_WHEELS + [PYBIND11_WHEEL] + FLA_WHEELS
