@@ -151,7 +151,7 @@ def test_device_mismatch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["k", "out", "dt_bias", "final_state", "cu_seqlens"])
+@pytest.mark.parametrize("name", ["k", "out", "dt_bias", "final_state"])
 def test_device_mismatch_cuda(name):
     x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in varlen_inputs().items()}
     x[name] = x[name].cpu()
@@ -330,6 +330,55 @@ def test_misaligned_view_cuda(name):
     x[name] = shifted
     with pytest.raises(ValueError, match=rf"{name} must start at a 16-byte aligned address on CUDA"):
         flash_kda.fwd(**x)
+
+
+# --- cu_seqlens on the host with CUDA tensors, and the checked mode -------------------------------------
+
+
+def _cuda(x: dict) -> dict:
+    return {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+
+
+@pytest.mark.gpu
+def test_host_cu_seqlens_equals_device_cu_seqlens():
+    x = _cuda(varlen_inputs((20, 0, 45)))
+    on_host = {**x, "cu_seqlens": x["cu_seqlens"].cpu(), "out": torch.empty_like(x["out"]),
+               "final_state": torch.empty_like(x["final_state"])}  # fmt: skip
+    flash_kda.fwd(**x)
+    flash_kda.fwd(**on_host)
+    assert torch.equal(on_host["out"], x["out"]) and torch.equal(on_host["final_state"], x["final_state"])
+    need = flash_kda.workspace_bytes(x["q"], on_host["cu_seqlens"])
+    assert need == flash_kda.workspace_bytes(x["q"], x["cu_seqlens"]) + 32  # 4 int64 boundaries, 16-byte granules
+    small = torch.empty(need - 1, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match=rf"workspace must hold at least {need} bytes"):
+        flash_kda.fwd(**on_host, workspace=small)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cu, pattern", [([0, 30, 20, 65], r"cu_seqlens\[1\]=30 > cu_seqlens\[2\]=20"),
+                                         ([0, 20, 20, 64], r"cu_seqlens\[-1\] must equal the number of tokens 65")])
+def test_malformed_host_cu_seqlens_is_refused_by_index(cu, pattern):
+    x = _cuda(varlen_inputs((20, 0, 45)))
+    x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64)
+    with pytest.raises(ValueError, match=pattern):
+        flash_kda.fwd(**x)
+
+
+@pytest.mark.gpu
+def test_checked_mode_refuses_malformed_device_cu_seqlens(monkeypatch):
+    x = _cuda(varlen_inputs((20, 0, 45)))
+    x["cu_seqlens"] = torch.tensor([0, 30, 20, 65], dtype=torch.int64, device="cuda")
+    flash_kda.fwd(**x)  # default: no check on the host (the kernel clamps; the result is unspecified)
+    torch.cuda.synchronize()
+    monkeypatch.setenv(api.CHECK_CU_SEQLENS_ENV, "1")
+    with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing, got cu_seqlens\[1\]=30"):
+        flash_kda.fwd(**x)
+
+
+def test_host_cu_seqlens_with_cpu_tensors_needs_no_extra_workspace():
+    x = varlen_inputs((2, 0, 3))
+    assert not api._cu_seqlens_on_host(x["q"], x["cu_seqlens"])
+    assert api._host_cu_seqlens_bytes(3) == 32 and api._host_cu_seqlens_bytes(1) == 16
 
 
 # --- the execution plan (host-side rule; needs the extension, not a GPU) --------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 
 import torch
@@ -68,17 +69,20 @@ def fwd(
     | lower_bound | float | — | gate lower bound, in [-5, 0] |
     | initial_state | None / bf16 / fp32 | [N, H, V, K] | initial state (None: zeros); never modified |
     | final_state | None / bf16 / fp32 | [N, H, V, K] | output buffer for the final state (may be initial_state) |
-    | cu_seqlens | int64 / int32 | [N + 1] | optional sequence boundaries; requires B = 1 |
+    | cu_seqlens | int64 / int32 | [N + 1] | optional sequence boundaries; requires B = 1; may be on the CPU |
     | workspace | uint8 | [≥ workspace_bytes(q, cu_seqlens)] | optional CUDA scratch (keyword only) |
 
     K = V = 128. All tensors are contiguous and on one device; when both states are given their dtypes match.
     Only ``out`` and ``final_state`` are written. Returns None.
 
     CUDA: needs compute capability 9.0 (sm_90a). The call never synchronises with the host and allocates no
-    device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of
-    ``cu_seqlens`` are therefore not checked on the host: the kernel clamps malformed boundaries into [0, T]
-    (it never reads or writes out of bounds, but the result of a malformed ``cu_seqlens`` is unspecified); call
-    ``flash_kda.check_cu_seqlens`` to validate them explicitly. Without ``workspace`` the call uses a cached
+    device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of a
+    CUDA ``cu_seqlens`` are therefore not checked on the host: the kernel clamps malformed boundaries into
+    [0, T] (it never reads or writes out of bounds, but the result of a malformed ``cu_seqlens`` is
+    unspecified). To have them checked: pass ``cu_seqlens`` on the CPU (validated there for free, then copied
+    into the workspace asynchronously; not inside graph capture), set ``FLASH_KDA_CHECK_CU_SEQLENS=1`` (every
+    call validates on the host, which synchronises), or call ``flash_kda.check_cu_seqlens``. The errors name
+    ``cu_seqlens`` and the first bad index. Without ``workspace`` the call uses a cached
     per-(device, stream) buffer that grows when a larger problem is first seen; that growth is an allocation, so
     before graph capture pass ``workspace`` or size the cache with ``flash_kda.reserve_workspace``.
 
@@ -136,10 +140,13 @@ def _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial
     if cu_seqlens is not None and cu_seqlens.dtype not in _CU_SEQLENS_DTYPES:
         raise TypeError(f"cu_seqlens must be int64 or int32, got {cu_seqlens.dtype=}")
 
-    # --- device: one device for everything (cu_seqlens included: reading it from the host would synchronise).
+    # --- device: one device for everything, except that cu_seqlens may also be on the CPU with CUDA tensors
+    # (then it is validated on the host, where that costs no synchronisation, and copied to the device).
     if q.device.type not in ("cuda", "cpu"):
         raise ValueError(f"tensors must be on a CUDA or CPU device, got {q.device=}")
     for name, t in given.items():
+        if name == "cu_seqlens" and _cu_seqlens_on_host(q, t):
+            continue
         if t.device != q.device:
             raise ValueError(f"all tensors must be on one device, got q.device={q.device} but {name}.device={t.device}")
     if workspace is not None:
@@ -219,8 +226,9 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
     B, T, H, N = _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                            cu_seqlens, workspace, concrete=True)
     K = V = HEAD_DIM
-    if q.device.type == "cpu" and cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, T)  # no synchronisation to avoid on the host
+    cu_on_host = cu_seqlens is not None and _cu_seqlens_on_host(q, cu_seqlens)
+    if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or _checked_cu_seqlens()):
+        check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
 
     # --- nothing to compute: no launch with an empty grid, but final_state is still defined.
     if B * T == 0 or H == 0:
@@ -237,11 +245,18 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
         return None
 
     C = _ext.load()
-    nbytes = C.workspace_bytes(B * T, N, H)
+    kernel_bytes = C.workspace_bytes(B * T, N, H)
+    nbytes = kernel_bytes + (_host_cu_seqlens_bytes(N) if cu_on_host else 0)
     if workspace is None:
         workspace = _cached_workspace(q.device, nbytes)
     elif workspace.numel() < nbytes:
         raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
+    if cu_on_host:
+        # Behind the kernel's records: an asynchronous copy (a pageable host buffer is staged at once, so the
+        # caller may reuse it on return), no allocation, no synchronisation.
+        device_cu = workspace[kernel_bytes : kernel_bytes + 8 * (N + 1)].view(torch.int64)
+        device_cu.copy_(cu_seqlens.to(torch.int64), non_blocking=True)
+        cu_seqlens = device_cu
     state = initial_state if initial_state is not None else final_state
     state_is_fp32 = state is not None and state.dtype == torch.float32
 
@@ -323,11 +338,29 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
 def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
     """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``).
 
-    Host-only: reads shapes, never tensor contents.
+    Host-only: reads shapes and devices, never tensor contents. A CPU ``cu_seqlens`` with CUDA ``q`` adds room
+    for its device copy.
     """
     B, T, H, _ = q.shape
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
-    return int(_ext.load().workspace_bytes(B * T, N, H))
+    extra = _host_cu_seqlens_bytes(N) if cu_seqlens is not None and _cu_seqlens_on_host(q, cu_seqlens) else 0
+    return int(_ext.load().workspace_bytes(B * T, N, H)) + extra
+
+
+def _cu_seqlens_on_host(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    return q.device.type == "cuda" and cu_seqlens.device.type == "cpu"
+
+
+def _host_cu_seqlens_bytes(num_seqs: int) -> int:
+    return -(-8 * (num_seqs + 1) // 16) * 16  # int64 boundaries, 16-byte granules
+
+
+CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
+
+
+def _checked_cu_seqlens() -> bool:
+    """FLASH_KDA_CHECK_CU_SEQLENS=1: validate a CUDA cu_seqlens on the host before every call (synchronises)."""
+    return os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0")
 
 
 # One cached workspace per (device index, stream): a buffer shared across streams could be overwritten by a

@@ -1,0 +1,76 @@
+"""Host time per call of flash_kda.fwd: the direct call vs the torch.ops.flash_kda.fwd operator (the path
+torch.compile takes). A program, not a test:
+
+    tools/bazel run //kda/bench:host_overhead -- --calls=3000
+
+On a tiny problem (T = 16, H = 1: the GPU finishes each launch long before the host issues the next) the
+host's wall time per call is the cost of validation, dispatch and the two launches. Prints µs per call
+(median of 5 rounds) for both paths, with and without the state buffers and with cu_seqlens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("calls", 3000, "calls per timed round")
+flags.DEFINE_integer("rounds", 5, "timed rounds (the median is printed)")
+
+D = 128
+
+
+def _inputs(state: bool, varlen: bool) -> dict:
+    bf16 = torch.bfloat16
+    T, H = 16, 1
+    x = dict(q=torch.randn(1, T, H, D, device="cuda").to(bf16), k=torch.randn(1, T, H, D, device="cuda").to(bf16),
+             v=torch.randn(1, T, H, D, device="cuda").to(bf16), g=torch.randn(1, T, H, D, device="cuda").to(bf16),
+             beta=torch.randn(1, T, H, device="cuda").to(bf16), scale=D**-0.5, A_log=torch.randn(H, device="cuda"),
+             dt_bias=torch.randn(H, D, device="cuda"), lower_bound=-5.0)  # fmt: skip
+    x["out"] = torch.empty_like(x["v"])
+    n = 2 if varlen else 1
+    x["initial_state"] = torch.randn(n, H, D, D, device="cuda").to(bf16) if state else None
+    x["final_state"] = torch.empty_like(x["initial_state"]) if state else None
+    x["cu_seqlens"] = torch.tensor([0, 7, T], dtype=torch.int64, device="cuda") if varlen else None
+    return x
+
+
+def _per_call_us(fn, x: dict) -> float:
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
+            x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"])
+    for _ in range(50):
+        fn(*args)
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(FLAGS.rounds):
+        t0 = time.perf_counter()
+        for _ in range(FLAGS.calls):
+            fn(*args)
+        rounds.append((time.perf_counter() - t0) / FLAGS.calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not torch.cuda.is_available():
+        raise app.UsageError("host_overhead times CUDA launches and needs a visible GPU")
+    import flash_kda
+    from flash_kda import ops  # noqa: F401 -- registers torch.ops.flash_kda.fwd
+
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {FLAGS.calls} calls x {FLAGS.rounds} rounds")
+    print("| call | flash_kda.fwd µs | torch.ops.flash_kda.fwd µs |")
+    print("|---|---:|---:|")
+    for state, varlen in ((False, False), (True, False), (True, True)):
+        x = _inputs(state, varlen)
+        direct = _per_call_us(flash_kda.fwd, x)
+        op = _per_call_us(torch.ops.flash_kda.fwd, x)
+        label = ("bf16 state in+out" if state else "no state") + (", cu_seqlens" if varlen else "")
+        print(f"| {label} | {direct:.1f} | {op:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

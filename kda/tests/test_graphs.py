@@ -1,0 +1,98 @@
+"""CUDA graphs as a server uses them (GPU): capture flash_kda.fwd once, change the inputs' contents in place,
+replay, and get bit for bit what an eager call on the new contents gives — for varlen too, with new
+`cu_seqlens` boundaries (same N and T): the kernel reads them on the device at every launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_kda
+
+pytestmark = pytest.mark.gpu
+
+D = 128
+
+
+def _fill(x: dict, gen: torch.Generator) -> None:
+    """New random contents for every input buffer, in place (a captured graph keeps the addresses)."""
+    for name in ("q", "k", "v", "g", "beta"):
+        x[name].copy_(torch.randn(x[name].shape, generator=gen, device="cuda").to(torch.bfloat16))
+    x["A_log"].copy_(torch.randn(x["A_log"].shape, generator=gen, device="cuda"))
+    x["dt_bias"].copy_(torch.randn(x["dt_bias"].shape, generator=gen, device="cuda"))
+    if x["initial_state"] is not None:
+        x["initial_state"].copy_(torch.randn(x["initial_state"].shape, generator=gen, device="cuda"))
+
+
+def _buffers(B, T, H, N, cu_seqlens, state_dtype) -> dict:
+    bf16 = torch.bfloat16
+    x = dict(
+        q=torch.empty(B, T, H, D, dtype=bf16, device="cuda"), k=torch.empty(B, T, H, D, dtype=bf16, device="cuda"),
+        v=torch.empty(B, T, H, D, dtype=bf16, device="cuda"), g=torch.empty(B, T, H, D, dtype=bf16, device="cuda"),
+        beta=torch.empty(B, T, H, dtype=bf16, device="cuda"), A_log=torch.empty(H, device="cuda"),
+        dt_bias=torch.empty(H, D, device="cuda"),
+        initial_state=None if state_dtype is None else torch.empty(N, H, D, D, dtype=state_dtype, device="cuda"),
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    x["out"] = torch.empty_like(x["v"])
+    x["final_state"] = None if state_dtype is None else torch.empty(N, H, D, D, dtype=state_dtype, device="cuda")
+    return x
+
+
+def _call(x: dict, out, final, workspace=None) -> None:
+    flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, out, x["A_log"], x["dt_bias"], -5.0,
+                  initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"],
+                  workspace=workspace)
+
+
+def _eager(x: dict) -> tuple:
+    out = torch.full_like(x["out"], float("nan"))
+    final = None if x["final_state"] is None else torch.full_like(x["final_state"], float("nan"))
+    _call(x, out, final)
+    return out, final
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(B=2, T=300, H=8, seqlens=None, state_dtype=torch.bfloat16),
+     dict(B=1, T=0, H=4, seqlens=(120, 0, 37, 203), state_dtype=torch.float32),
+     dict(B=1, T=0, H=96, seqlens=(64,) * 16, state_dtype=None)],
+    ids=["fixed_bf16", "varlen_fp32", "varlen_h96_no_state"],
+)  # fmt: skip
+def test_replay_after_new_contents_equals_eager(shape):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seqlens = shape["seqlens"]
+    B, T, H = shape["B"], shape["T"], shape["H"]
+    cu = None
+    N = B
+    if seqlens is not None:
+        T, N = sum(seqlens), len(seqlens)
+        cu = torch.tensor([0] + torch.tensor(seqlens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
+    x = _buffers(B, T, H, N, cu, shape["state_dtype"])
+    _fill(x, gen)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        workspace = torch.empty(flash_kda.workspace_bytes(x["q"], cu), dtype=torch.uint8, device="cuda")
+        _call(x, x["out"], x["final_state"], workspace)  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            _call(x, x["out"], x["final_state"], workspace)
+    torch.cuda.current_stream().wait_stream(side)
+
+    for step in range(3):
+        _fill(x, gen)
+        if cu is not None and step > 0:  # new boundaries, same N and T: rotate the lengths
+            lens = torch.tensor(seqlens[step:] + seqlens[:step])
+            cu.copy_(torch.tensor([0] + lens.cumsum(0).tolist(), dtype=torch.int64, device="cuda"))
+        x["out"].fill_(float("nan"))
+        if x["final_state"] is not None:
+            x["final_state"].fill_(float("nan"))
+        graph.replay()
+        eager_out, eager_final = _eager(x)
+        torch.cuda.synchronize()
+        assert torch.equal(x["out"], eager_out), f"replay {step}: out differs from an eager call"
+        if eager_final is not None:
+            assert torch.equal(x["final_state"], eager_final), f"replay {step}: final_state differs"
