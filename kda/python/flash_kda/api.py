@@ -225,7 +225,7 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
     """``fwd`` outside tracing: validate, then run the CUDA kernel or the CPU path."""
     B, T, H, N = _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                            cu_seqlens, workspace, concrete=True)
-    K = V = HEAD_DIM
+    K = HEAD_DIM
     cu_on_host = cu_seqlens is not None and _cu_seqlens_on_host(q, cu_seqlens)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or _checked_cu_seqlens()):
         check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
