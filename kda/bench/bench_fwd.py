@@ -51,6 +51,9 @@ flags.DEFINE_integer("copy_mib", 2048, "size of the device-to-device copy that m
 flags.DEFINE_string("json", None, "write every number and the run's metadata here")
 flags.DEFINE_string("markdown", None, "write the tables here, under a header line (date, GPU, command)")
 flags.DEFINE_string("png", None, "write a bar chart of the three implementations here (needs matplotlib)")
+flags.DEFINE_integer("force_v_split", 0, "run our calls with this V split (flash_kda.testing.force_plan); 0: auto")
+flags.DEFINE_integer("force_segment_chunks", -1,
+                     "run our calls with this time split (chunks per segment; 0: none); -1: the automatic plan")
 
 BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): SPEC §5
 HEAD_DIM = 128
@@ -110,6 +113,7 @@ CASES = [
     Case("T1048576 H1", 1, 1048576, 1),
     Case("T8192 H96 fp32 state", 1, 8192, 96, state="fp32"),
     Case("T8192 H96 no state", 1, 8192, 96, state="none"),
+    _varlen("varlen [131072, 64x128] H4", [131072] + [128] * 64, 4),  # one long + many short (issue 7)
 ]
 
 
@@ -313,8 +317,11 @@ def empty_row(case: Case) -> dict:
 def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> dict:
     from flash_kda import reference
 
+    import flash_kda
+
     row = empty_row(case)
     inp = make_inputs(case, "cuda")
+    row["plan"] = flash_kda.plan(inp["q"], inp["cu_seqlens"])._asdict()  # how our call ran (V and time split)
     runs = {"flash_kda": run_flash_kda(inp, case.state, scale, lower_bound)}
     if "fla" in peers:
         runs["fla"] = run_fla(peers["fla"], inp, scale, lower_bound)
@@ -532,6 +539,11 @@ def main(argv: list[str]) -> None:
     print(f"copy ceiling (device-to-device copy of {FLAGS.copy_mib} MiB, read + write, median of 10): "
           f"{meta['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
 
+    from flash_kda import testing
+
+    forced = testing.force_plan(v_split=FLAGS.force_v_split,
+                                segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks)
+    forced.__enter__()  # for the whole run (a benchmark of a forced plan: the per-case plan is in the JSON)
     rows = []
     t_run = time.time()
     for i, case in enumerate(cases):
@@ -540,9 +552,9 @@ def main(argv: list[str]) -> None:
                      iters_for(case))
         row = derive(measure_case(case, peers, scale, lower_bound), meta["copy_bytes_per_s"])
         rows.append(row)
-        logging.info("case %d/%d %s done in %.1f s (%.0f s so far): %s", i + 1, len(cases), case.name,
+        logging.info("case %d/%d %s done in %.1f s (%.0f s so far): %s; plan %s", i + 1, len(cases), case.name,
                      time.time() - t0, time.time() - t_run,
-                     ", ".join(f"{impl} {_fmt(row[f'{impl}_ms'], '.3f')} ms" for impl in IMPLS))
+                     ", ".join(f"{impl} {_fmt(row[f'{impl}_ms'], '.3f')} ms" for impl in IMPLS), row.get("plan"))
         if FLAGS.json:  # after every case: a run cut short by a time limit keeps what it measured
             write_json(FLAGS.json, rows, meta)
     if earlier:

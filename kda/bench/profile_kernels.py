@@ -2,11 +2,13 @@
 
     tools/bazel run //kda/bench:profile_kernels -- --cases=0,3,7,11 --iters=5
 
-(--cases, --case_names and --iters are bench_fwd's flags: indices into bench_fwd.CASES, a name filter, calls
-profiled per shape; each case runs in its own state mode, bf16 unless its name says otherwise.)
+(--cases, --case_names, --iters and --force_v_split / --force_segment_chunks are bench_fwd's flags: indices
+into bench_fwd.CASES, a name filter, calls profiled per shape, a forced plan; each case runs in its own state
+mode, bf16 unless its name says otherwise.)
 
-Prints one row per shape: the mean time per call of each FlashKDA kernel and of the whole call. A program
-for choosing the next performance lever, not a test.
+Prints one row per shape: the plan and the mean time per call of each FlashKDA stage (prepare, the time
+split's scan and compose, the recurrence's finishing pass). A program for choosing the next performance lever
+and for measuring the plan's cost model, not a test.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ from absl import app, flags
 import bench_fwd
 
 FLAGS = flags.FLAGS
+STAGES = ("prepare", "scan", "compose", "recurrence")  # kernel name fragments, in the order they run
 
 
-def profile_case(case: bench_fwd.Case, iters: int) -> dict[str, float]:
+def profile_case(case: bench_fwd.Case, iters: int) -> tuple[dict[str, float], object]:
+    """(ms per call of each stage, the plan the calls ran under)."""
+    import flash_kda
+
     inp = bench_fwd.make_inputs(case, "cuda")
     call, _ = bench_fwd.run_flash_kda(inp, case.state, bench_fwd.HEAD_DIM**-0.5, -5.0)
     for _ in range(2):
@@ -36,25 +42,34 @@ def profile_case(case: bench_fwd.Case, iters: int) -> dict[str, float]:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             # every kernel whose name says prepare / recurrence counts there (several launches of either add up)
             lowered = event.name.lower()
-            name = "prepare" if "prepare" in lowered else "recurrence" if "recurrence" in lowered else "other"
+            name = next((stage for stage in STAGES if stage in lowered), "other")
             per_kernel[name] += event.time_range.elapsed_us() / 1e3 / iters  # µs -> ms per call
-    return dict(per_kernel)
+    return dict(per_kernel), flash_kda.plan(inp["q"], inp["cu_seqlens"])
 
 
 def main(argv: list[str]) -> None:
     del argv
     if not torch.cuda.is_available():
         raise app.UsageError("profile_kernels needs a visible sm_90 GPU (H100/H200)")
-    print("| case | prepare ms | recurrence ms | other ms | chunks/seq | recurrence µs per chunk |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| case | plan (v, scan v, L) | prepare ms | scan ms | compose ms | recurrence ms | other ms | "
+          "steps | recurrence µs per step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    from flash_kda import testing
+
     cases = bench_fwd.select_cases()
+    forced = testing.force_plan(v_split=FLAGS.force_v_split,  # bench_fwd's --force_* flags
+                                segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks)
+    forced.__enter__()
     for case in cases:
-        t = profile_case(case, FLAGS.iters)
+        t, plan = profile_case(case, FLAGS.iters)
         longest = max(case.seqlens) if case.seqlens else case.seqlen
-        chunks = -(-longest // 16)
+        steps = -(-longest // 16)
+        if plan.segment_chunks:
+            steps = min(steps, plan.segment_chunks)  # the finishing pass runs one segment per CTA
         rec = t.get("recurrence", 0.0)
-        print(f"| {case.name} | {t.get('prepare', 0.0):.3f} | {rec:.3f} | {t.get('other', 0.0):.3f} | {chunks} | "
-              f"{1e3 * rec / chunks:.2f} |", flush=True)
+        cells = " | ".join(f"{t.get(stage, 0.0):.3f}" for stage in (*STAGES, "other"))
+        print(f"| {case.name} | {tuple(plan)} | {cells} | {steps} | {1e3 * rec / steps:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
@@ -21,23 +23,35 @@ T* ptr(std::uintptr_t address) {
 
 cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
+kda::ParamType param_type(int code, const char* name) {
+  if (code < 0 || code > 2) {
+    throw std::invalid_argument(std::string("flash_kda: ") + name + " dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+  }
+  return static_cast<kda::ParamType>(code);
+}
+
 void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g, std::uintptr_t beta,
-         std::uintptr_t A_log, std::uintptr_t dt_bias, std::uintptr_t out, std::uintptr_t initial_state,
-         std::uintptr_t final_state, bool state_is_fp32, std::uintptr_t cu_seqlens, bool cu_seqlens_is_int64,
+         std::uintptr_t A_log, int A_log_type, std::uintptr_t dt_bias, int dt_bias_type, std::uintptr_t out,
+         std::uintptr_t initial_state, bool initial_is_fp32, std::uintptr_t final_state, bool final_is_fp32,
+         std::uintptr_t cu_seqlens, bool cu_seqlens_is_int64,
          int64_t batch, int64_t seqlen, int64_t num_seqs, int heads, float scale, float lower_bound,
-         std::uintptr_t workspace, std::size_t workspace_bytes, int v_split, std::uintptr_t stream) {
+         std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t status, int v_split, int scan_v_split,
+         int segment_chunks, std::uintptr_t stream) {
   kda::FwdParams p{};
   p.q = ptr<const void>(q);
   p.k = ptr<const void>(k);
   p.v = ptr<const void>(v);
   p.g = ptr<const void>(g);
   p.beta = ptr<const void>(beta);
-  p.A_log = ptr<const float>(A_log);
-  p.dt_bias = ptr<const float>(dt_bias);
+  p.A_log = ptr<const void>(A_log);
+  p.A_log_type = param_type(A_log_type, "A_log");
+  p.dt_bias = ptr<const void>(dt_bias);
+  p.dt_bias_type = param_type(dt_bias_type, "dt_bias");
   p.out = ptr<void>(out);
   p.initial_state = ptr<const void>(initial_state);
+  p.initial_is_fp32 = initial_is_fp32;
   p.final_state = ptr<void>(final_state);
-  p.state_is_fp32 = state_is_fp32;
+  p.final_is_fp32 = final_is_fp32;
   p.cu_seqlens = ptr<const void>(cu_seqlens);
   p.cu_seqlens_is_int64 = cu_seqlens_is_int64;
   p.total_tokens = batch * seqlen;
@@ -48,7 +62,10 @@ void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g,
   p.lower_bound = lower_bound;
   p.workspace = ptr<void>(workspace);
   p.workspace_bytes = workspace_bytes;
+  p.status = ptr<unsigned long long>(status);
   p.v_split = v_split;
+  p.scan_v_split = scan_v_split;
+  p.segment_chunks = segment_chunks;
   py::gil_scoped_release release;
   kda::fwd(p, stream_of(stream));
 }
@@ -70,14 +87,28 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_info", &kda::device_info, py::arg("device"),
         "Name, compute capability, SM count, L2 size, driver and runtime versions of a CUDA device.");
   m.def("workspace_bytes", &kda::workspace_bytes, py::arg("total_tokens"), py::arg("num_seqs"), py::arg("heads"),
-        "Bytes of workspace one forward call needs.");
+        py::arg("segment_chunks") = 0, "Bytes of workspace one forward call needs under a plan's time split.");
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
-        py::arg("dt_bias"), py::arg("out"), py::arg("initial_state"), py::arg("final_state"),
-        py::arg("state_is_fp32"), py::arg("cu_seqlens"), py::arg("cu_seqlens_is_int64"), py::arg("batch"),
+        py::arg("A_log_type"), py::arg("dt_bias"), py::arg("dt_bias_type"), py::arg("out"),
+        py::arg("initial_state"), py::arg("initial_is_fp32"), py::arg("final_state"), py::arg("final_is_fp32"),
+        py::arg("cu_seqlens"), py::arg("cu_seqlens_is_int64"), py::arg("batch"),
         py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("scale"), py::arg("lower_bound"),
-        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("v_split"), py::arg("stream"),
-        "Enqueues the KDA forward on `stream` (device pointers as integers, 0 for None; v_split 0 = choose). "
-        "Validation is the caller's job: use flash_kda.fwd.");
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("status"), py::arg("v_split"), py::arg("scan_v_split"),
+        py::arg("segment_chunks"), py::arg("stream"),
+        "Enqueues the KDA forward on `stream` (device pointers as integers, 0 for None) under the plan "
+        "(v_split, scan_v_split, segment_chunks) from choose_plan. Validation is the caller's job: use flash_kda.fwd.");
+  m.def(
+      "choose_plan",
+      [](int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
+         int segment_chunks) {
+        const kda::Plan plan =
+            kda::choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, segment_chunks);
+        return py::make_tuple(plan.v_split, plan.scan_v_split, plan.segment_chunks);
+      },
+      py::arg("total_tokens"), py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("varlen"),
+      py::arg("sm_count"), py::arg("segment_chunks") = -1,
+      "The plan fwd uses for these shapes on a GPU with sm_count SMs: (v_split, scan_v_split, segment_chunks); "
+      "segment_chunks >= 0 fixes the time split (0: none) and chooses the V splits for it.");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def(

@@ -106,4 +106,27 @@ __device__ __forceinline__ SeqBounds seq_bounds(const void* cu, bool is_int64, i
 // First chunk slot of sequence n (see kda_params.h).
 __device__ __forceinline__ int64_t first_slot(int64_t bos, int64_t n) { return bos / 16 + n; }
 
+// First segment slot of sequence n for the time split with `segment_chunks` chunks per segment (kda_params.h).
+__device__ __forceinline__ int64_t first_segment_slot(int64_t bos, int64_t n, int segment_chunks) {
+  return bos / (16 * static_cast<int64_t>(segment_chunks)) + n;
+}
+
+// The largest n in [0, num_seqs) with first(bos_n, n) <= slot, for a slot numbering `first` that grows
+// strictly with n (chunk slots, segment slots): a binary search over cu_seqlens.
+template <typename First>
+__device__ int64_t find_sequence(const void* cu, bool is_int64, int64_t num_seqs, int64_t seqlen,
+                                 int64_t total_tokens, int64_t slot, First first) {
+  int64_t lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    const SeqBounds b = seq_bounds(cu, is_int64, mid, seqlen, total_tokens);
+    if (first(b.bos, mid) <= slot) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 }  // namespace kda

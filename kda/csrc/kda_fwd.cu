@@ -1,25 +1,48 @@
-// The KDA forward: the preparation kernel fills the workspace, then the recurrence kernel consumes it.
-// Both are enqueued on the caller's stream; nothing here synchronises or allocates.
+// The KDA forward: the preparation kernel fills the workspace; with a time split the scan pass and the
+// composition turn it into every segment's start state; then the recurrence's finishing pass runs. All are
+// enqueued on the caller's stream; nothing here synchronises or allocates.
+#include <cuda_runtime_api.h>
+
 #include <stdexcept>
 #include <string>
 
+#include "kda/csrc/cuda_check.h"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 
 namespace kda {
+namespace {
+
+bool valid_split(int v) { return v == 1 || v == 2 || v == 4 || v == 8; }
+
+}  // namespace
 
 void fwd(const FwdParams& p, cudaStream_t stream) {
-  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads);
+  if (!valid_split(p.v_split) || !valid_split(p.scan_v_split)) {
+    throw std::invalid_argument("flash_kda: v_split and scan_v_split must be 1, 2, 4 or 8, got " +
+                                std::to_string(p.v_split) + " and " + std::to_string(p.scan_v_split));
+  }
+  if (p.segment_chunks < 0) {
+    throw std::invalid_argument("flash_kda: segment_chunks must be >= 0, got " + std::to_string(p.segment_chunks));
+  }
+  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks);
   if (p.workspace_bytes < needed) {
     throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
                                 " bytes, the call needs " + std::to_string(needed));
   }
-  if (p.v_split != 0 && p.v_split != 1 && p.v_split != 2 && p.v_split != 4 && p.v_split != 8) {
-    throw std::invalid_argument("flash_kda: v_split must be 0 (choose), 1, 2, 4 or 8, got " +
-                                std::to_string(p.v_split));
-  }
+  launch_boundary_check(p, stream);
   if (p.num_seqs == 0 || p.heads == 0) return;
+  const bool split = p.segment_chunks > 0;
+  if (split && p.cu_seqlens != nullptr) {
+    // All ones = "no scanned segment starts here"; the preparation kernel fills in the others.
+    KDA_CUDA_CHECK(cudaMemsetAsync(window_table(p), 0xFF,
+                                   window_table_bytes(p.total_tokens, p.num_seqs, p.segment_chunks), stream));
+  }
   launch_prepare(p, stream);
+  if (split) {
+    launch_segment_scan(p, stream);
+    launch_segment_compose(p, stream);
+  }
   launch_recurrence(p, stream);
 }
 

@@ -12,11 +12,17 @@
 
 namespace kda {
 
-// The two stages of the forward (kda_prepare.cu, kda_recurrence.cu).
+// The stages of the forward: preparation (kda_prepare.cu), the time split's scan pass (kda_recurrence.cu)
+// and composition (kda_segment_compose.cu), the recurrence's finishing pass (kda_recurrence.cu).
 void launch_prepare(const FwdParams& p, cudaStream_t stream);
+void launch_segment_scan(const FwdParams& p, cudaStream_t stream);
+void launch_segment_compose(const FwdParams& p, cudaStream_t stream);
 void launch_recurrence(const FwdParams& p, cudaStream_t stream);
 
-// Whole forward: checks the workspace size, then enqueues both stages on `stream` (kda_fwd.cu).
+// Records a malformed CUDA cu_seqlens in the device's error word (kda_checks.cu); no-op without one.
+void launch_boundary_check(const FwdParams& p, cudaStream_t stream);
+
+// Whole forward: checks the plan and the workspace size, then enqueues the stages on `stream` (kda_fwd.cu).
 void fwd(const FwdParams& p, cudaStream_t stream);
 
 // Elementwise helpers on fp32 device arrays, the same instructions the kernels use (helpers.cu).

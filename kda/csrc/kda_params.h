@@ -5,6 +5,14 @@
 #include <cstddef>
 #include <cstdint>
 
+// Functions of this header that kernels call too (constexpr ones need no marking: nvcc runs with
+// --expt-relaxed-constexpr).
+#ifdef __CUDACC__
+#define KDA_HOST_DEVICE __host__ __device__
+#else
+#define KDA_HOST_DEVICE
+#endif
+
 namespace kda {
 
 constexpr int kHeadDim = 128;  // K = V = 128: the only head size the kernel is built for.
@@ -45,17 +53,83 @@ constexpr int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return total_tokens / kChunk + num_seqs;
 }
 
-inline size_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t heads) {
+// ---- The time split (docs/KERNEL.md, "Time split") ----------------------------------------------------------
+// With segment_chunks = L > 0, sequence n is cut into G_n = max(1, ceil(chunks_n / L)) segments of L chunks
+// (the last may be shorter). Segment j of sequence n has the segment slot floor(bos_n / (16 L)) + n + j
+// (unique for the same reason as chunk slots): the finishing pass runs one CTA row per segment slot.
+// Every segment but a sequence's last is "scanned": its affine map S_end = S_start · M + Q is computed from
+// the identity (M) and from zero (Q). Windows cut the chunk-slot stream into pieces of L slots; at most one
+// scanned segment starts in each window (a scanned segment is followed by L more chunks of its sequence), so
+// per-window storage holds its map, and the window table says which segment that is.
+constexpr int64_t num_segment_slots(int64_t total_tokens, int64_t num_seqs, int segment_chunks) {
+  return total_tokens / (static_cast<int64_t>(kChunk) * segment_chunks) + num_seqs;
+}
+constexpr int64_t num_windows(int64_t total_tokens, int64_t num_seqs, int segment_chunks) {
+  return (num_chunk_slots(total_tokens, num_seqs) + segment_chunks - 1) / segment_chunks;
+}
+// Segments of a sequence of `len` tokens: at least one, so that an empty sequence still has the CTA that
+// writes its final state.
+constexpr int64_t segment_count(int64_t len, int segment_chunks) {
+  const int64_t chunks = (len + kChunk - 1) / kChunk;
+  const int64_t count = (chunks + segment_chunks - 1) / segment_chunks;
+  return count > 0 ? count : 1;
+}
+
+// One window table entry: the scanned segment (sequence n, segment j) whose first chunk slot lies in the
+// window, or n = -1 (the table is set to all ones before the preparation kernel fills it).
+struct WindowItem {
+  int32_t n;
+  int32_t j;
+};
+
+// Per (window, head) storage of the scanned segment that starts in the window, in the workspace after the
+// window table:
+//   M hi, M lo  bf16 128x128 each: the transition map M split as M = hi + lo (lo = bf16(M - hi)), stored in
+//               mma B-fragment order for the composition kernel: uint2 {b0, b1} at [n-tile][k-step][lane].
+//   Q / S_next  fp32 [128][128] (rows v): first Q, the segment's end state from zero; the composition
+//               kernel overwrites it with the true start state of the sequence's next segment.
+//   S_first     fp32 [128][128]: the start state of the sequence's first segment (its initial state or
+//               zero), written by the composition kernel so that no CTA reads initial_state while another
+//               writes final_state (they may be one tensor).
+struct WindowLayout {
+  static constexpr int kMBytes = kHeadDim * kHeadDim * 2;
+  static constexpr int kStateBytes = kHeadDim * kHeadDim * 4;
+  static constexpr int kMHiOffset = 0;
+  static constexpr int kMLoOffset = kMHiOffset + kMBytes;
+  static constexpr int kNextOffset = kMLoOffset + kMBytes;
+  static constexpr int kFirstOffset = kNextOffset + kStateBytes;
+  static constexpr int kBytes = kFirstOffset + kStateBytes;  // 196,608 bytes
+};
+
+constexpr size_t records_bytes(int64_t total_tokens, int64_t num_seqs, int64_t heads) {
   return static_cast<size_t>(num_chunk_slots(total_tokens, num_seqs)) * static_cast<size_t>(heads) *
          static_cast<size_t>(ChunkRecordLayout::kBytes);
 }
+constexpr size_t window_table_bytes(int64_t total_tokens, int64_t num_seqs, int segment_chunks) {
+  const size_t raw = static_cast<size_t>(num_windows(total_tokens, num_seqs, segment_chunks)) * sizeof(WindowItem);
+  return (raw + 127) / 128 * 128;
+}
+
+// Workspace: the chunk records, then (time split only) the window table and the per-(window, head) storage.
+constexpr size_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t heads, int segment_chunks) {
+  size_t bytes = records_bytes(total_tokens, num_seqs, heads);
+  if (segment_chunks > 0) {
+    bytes += window_table_bytes(total_tokens, num_seqs, segment_chunks) +
+             static_cast<size_t>(num_windows(total_tokens, num_seqs, segment_chunks)) * static_cast<size_t>(heads) *
+                 static_cast<size_t>(WindowLayout::kBytes);
+  }
+  return bytes;
+}
+
+// Element type of the gate parameters A_log and dt_bias (fla's layers hand them over in the model's dtype).
+enum class ParamType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // Everything one forward call needs. Tensor layouts (all contiguous):
 //   q, k, g      bf16 [total_tokens, H, K]     (B*T flattened: token-major)
 //   v, out       bf16 [total_tokens, H, V]
 //   beta         bf16 [total_tokens, H]
-//   A_log        fp32 [H];  dt_bias fp32 [H, K]
-//   initial_state, final_state  bf16 or fp32 [N, H, V, K] (either may be null)
+//   A_log        fp32, bf16 or fp16 [H];  dt_bias fp32, bf16 or fp16 [H, K] (widened to fp32 when read)
+//   initial_state, final_state  bf16 or fp32 [N, H, V, K], each its own dtype (either may be null)
 //   cu_seqlens   int32 or int64 [N + 1] or null (then sequence n is tokens [n*seqlen, (n+1)*seqlen))
 struct FwdParams {
   const void* q;
@@ -63,12 +137,15 @@ struct FwdParams {
   const void* v;
   const void* g;
   const void* beta;
-  const float* A_log;
-  const float* dt_bias;
+  const void* A_log;
+  const void* dt_bias;
+  ParamType A_log_type;
+  ParamType dt_bias_type;
   void* out;
   const void* initial_state;
   void* final_state;
-  bool state_is_fp32;
+  bool initial_is_fp32;
+  bool final_is_fp32;
   const void* cu_seqlens;
   bool cu_seqlens_is_int64;
   int64_t total_tokens;  // B * T
@@ -79,7 +156,50 @@ struct FwdParams {
   float lower_bound;
   void* workspace;
   size_t workspace_bytes;
-  int v_split;  // recurrence CTAs per (sequence, head), each owning 128 / v_split state rows; 0: choose
+  // The device's error word (or null): the preparation kernel atomically lowers it to the first malformed
+  // index of cu_seqlens it finds (flash_kda.last_error reads and resets it). Untouched by well-formed calls.
+  unsigned long long* status;
+  // The plan (kda_plan.h), resolved by the caller:
+  int v_split;         // finishing-pass CTAs per (segment, head), each owning 128 / v_split state rows
+  int scan_v_split;    // scan-pass CTAs per (scanned segment, head) and map (P or Q)
+  int segment_chunks;  // chunks per time segment; 0: no time split
 };
+
+// Grid columns (grid.x) of the passes of a call, and so how a CTA column finds its work:
+//   fixed-length batches (no cu_seqlens): every sequence has G = segment_count(seqlen) segments, so columns
+//     index the work directly: scan n * (G - 1) + j, composition n, finishing pass n * G + j;
+//   varlen batches: scan and composition by window (through the window table, n = -1 where nothing starts),
+//     the finishing pass by segment slot (a search over cu_seqlens).
+// Without a time split the finishing pass has one column per sequence.
+struct PassColumns {
+  int64_t scan;
+  int64_t compose;
+  int64_t finish;
+};
+inline PassColumns pass_columns(const FwdParams& p) {
+  const int L = p.segment_chunks;
+  if (L <= 0) return {0, 0, p.num_seqs};
+  if (p.cu_seqlens == nullptr) {
+    const int64_t segments = segment_count(p.seqlen, L);
+    return {p.num_seqs * (segments - 1), segments > 1 ? p.num_seqs : 0, p.num_seqs * segments};
+  }
+  const int64_t windows = num_windows(p.total_tokens, p.num_seqs, L);
+  return {windows, windows, num_segment_slots(p.total_tokens, p.num_seqs, L)};
+}
+
+// The window in which segment j of the sequence that starts at token bos (sequence n) begins.
+constexpr int64_t window_of(int64_t bos, int64_t n, int64_t j, int segment_chunks) {
+  return (bos / kChunk + n + j * segment_chunks) / segment_chunks;
+}
+
+// Pointers into the workspace of a call (kda_params.h layout).
+KDA_HOST_DEVICE inline WindowItem* window_table(const FwdParams& p) {
+  return reinterpret_cast<WindowItem*>(static_cast<uint8_t*>(p.workspace) +
+                                       records_bytes(p.total_tokens, p.num_seqs, p.heads));
+}
+KDA_HOST_DEVICE inline uint8_t* window_data(const FwdParams& p, int64_t window, int head) {
+  return reinterpret_cast<uint8_t*>(window_table(p)) + window_table_bytes(p.total_tokens, p.num_seqs, p.segment_chunks) +
+         (static_cast<size_t>(window) * p.heads + head) * static_cast<size_t>(WindowLayout::kBytes);
+}
 
 }  // namespace kda

@@ -1,16 +1,19 @@
 // How a forward call is spread over the GPU, chosen on the host from shapes alone (never from the contents of
-// cu_seqlens, which would need a synchronisation): the recurrence's V split.
+// cu_seqlens, which would need a synchronisation): the V split of the recurrence and the time split of long
+// sequences (docs/KERNEL.md, "The plan").
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kda/csrc/cuda_check.h"
+#include "kda/csrc/kda_params.h"
 
 namespace kda {
 
-// Recurrence CTAs per (sequence, head). Each CTA owns 128 / v_split state rows (16 per warp), so the split
+// Recurrence CTAs per (segment, head). Each CTA owns 128 / v_split state rows (16 per warp), so the split
 // changes no bit. One (sequence, head) on one SM is bound by the SM's mma.sync throughput (8 warps share 4
 // sub-partitions); split over 2-8 SMs a step is bound by one warp's own chain, about half as long
 // (docs/KERNEL.md). Splitting past the SM count only queues CTAs, so the split is the largest power of two
@@ -20,6 +23,84 @@ inline int choose_v_split(int64_t num_seqs, int heads, int sm_count) {
   int split = 1;
   while (split < 8 && pairs * split * 2 <= sm_count) split *= 2;
   return split;
+}
+
+struct Plan {
+  int v_split;         // finishing-pass CTAs per (segment, head)
+  int scan_v_split;    // scan-pass CTAs per (scanned segment, head, map)
+  int segment_chunks;  // 0: no time split
+};
+
+// The cost model of the time split, in microseconds (constants measured on the H200, docs/KERNEL.md).
+struct SplitCostModel {
+  static constexpr double kStepAlone = 0.62;     // one 16-token step of one warp with an SM to itself
+  static constexpr double kStepPerWarp = 0.075;  // added per further warp on the SM (up to 8)
+  static constexpr double kStepSaturated = 0.13; // per warp-step once an SM holds more than 8 warps
+  static constexpr double kScanFactor = 0.7;     // a scan step (no output) against a finishing step
+  static constexpr double kCompose = 0.8;        // one link of the composition chain
+  static constexpr double kOverhead = 10.0;      // the two extra launches and the table fill
+
+  // Time of `steps` dependent steps while `warps` warps share `sm_count` SMs.
+  static double pass(double steps, double warps, int sm_count) {
+    const double per_sm = warps / sm_count;
+    const double step = per_sm <= 8.0 ? kStepAlone + kStepPerWarp * (per_sm > 1.0 ? per_sm - 1.0 : 0.0)
+                                      : kStepSaturated * per_sm;
+    return steps * step;
+  }
+};
+
+// Segment lengths tried, in chunks (16 tokens each).
+constexpr int kSegmentChoices[] = {32, 64, 128, 256, 512, 1024, 2048, 4096};
+
+// The V splits that go with `segment_chunks` (0: no time split) when `seqs` sequences of `chunks` chunks run.
+inline Plan plan_with_segments(int64_t chunks, int64_t seqs, int heads, int sm_count, int segment_chunks) {
+  if (segment_chunks <= 0 || chunks <= segment_chunks) {
+    const int v = choose_v_split(seqs, heads, sm_count);
+    return Plan{v, v, segment_chunks > 0 ? segment_chunks : 0};
+  }
+  const int64_t segments = (chunks + segment_chunks - 1) / segment_chunks;
+  // The scan's maps (M and Q of every scanned segment and head) as CTAs: an 8-warp CTA fits once per SM
+  // (registers), a 4-warp CTA three times (shared memory). Where 4-warp CTAs still fit in one wave they beat one
+  // 8-warp CTA per map; past that both need two waves and the larger CTAs win (plan_sweep, docs/KERNEL.md).
+  const int64_t maps = seqs * (segments - 1) * 2 * heads;
+  const int scan_split = maps * 2 <= 3 * static_cast<int64_t>(sm_count)
+                             ? std::max(2, choose_v_split(seqs * (segments - 1) * 2, heads, sm_count))
+                             : 1;
+  return Plan{choose_v_split(seqs * segments, heads, sm_count), scan_split, segment_chunks};
+}
+
+// The plan for a call; `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it.
+// For varlen batches the longest sequence is unknown on the host; the plan assumes the worst case (one
+// sequence holds every token): splitting costs short sequences almost nothing (they stay one segment, which
+// nobody scans), while an unsplit long sequence would run alone for its whole length.
+inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
+                        int forced_segment_chunks = -1) {
+  const int64_t chunks = ((varlen ? total_tokens : seqlen) + kChunk - 1) / kChunk;  // the longest sequence
+  const int64_t seqs = varlen ? 1 : num_seqs;  // sequences of that length
+  if (forced_segment_chunks >= 0) {
+    Plan plan = plan_with_segments(chunks, varlen ? num_seqs : seqs, heads, sm_count, forced_segment_chunks);
+    plan.segment_chunks = forced_segment_chunks;
+    return plan;
+  }
+  Plan plan = plan_with_segments(chunks, num_seqs, heads, sm_count, 0);
+  if (heads <= 0 || chunks <= 0) return plan;
+  using M = SplitCostModel;
+  const double rows = static_cast<double>(seqs) * heads * (kHeadDim / 16);  // warps of one pass over all rows
+  const double unsplit = M::pass(static_cast<double>(chunks), rows, sm_count);
+  double best = 0.9 * unsplit;  // split only for a clear gain
+  for (const int L : kSegmentChoices) {
+    const int64_t segments = (chunks + L - 1) / L;
+    if (segments < 2) break;
+    const double scanned = static_cast<double>(segments - 1);
+    const double cost = M::kScanFactor * M::pass(L, 2.0 * rows * scanned, sm_count) +
+                        M::kCompose * scanned + M::pass(L, rows * static_cast<double>(segments), sm_count) +
+                        M::kOverhead;
+    if (cost < best) {
+      best = cost;
+      plan = plan_with_segments(chunks, seqs, heads, sm_count, L);
+    }
+  }
+  return plan;
 }
 
 // Multiprocessor count of the current device, cached per device (a driver query, no synchronisation).

@@ -10,6 +10,7 @@
 // recurrence kernel's shared-memory image (kda_params.h). Rows past the end of a sequence are zero
 // (q = k = v = 0, γ = 0, β = 0), which makes them inert.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
@@ -69,19 +70,38 @@ __device__ __forceinline__ uint2 pack4_bf16(const __nv_bfloat16 (&x)[4]) {
   return r;
 }
 
-// Finds the sequence whose slots contain `slot`: the largest n with first_slot(n) <= slot.
-__device__ int64_t find_sequence(const FwdParams& p, int64_t slot) {
-  int64_t lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, mid, p.seqlen, p.total_tokens);
-    if (first_slot(b.bos, mid) <= slot) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
+// A gate parameter (A_log, dt_bias) element widened to fp32, whatever the caller's dtype (exact).
+__device__ __forceinline__ float load_param(const void* base, ParamType type, int64_t i) {
+  switch (type) {
+    case ParamType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case ParamType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
   }
-  return lo;
+}
+// Four consecutive elements (i % 4 == 0: one 16- or 8-byte load).
+__device__ __forceinline__ void load_param4(const void* base, ParamType type, int64_t i, float (&x)[4]) {
+  if (type == ParamType::kFloat32) {
+    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else if (type == ParamType::kBFloat16) {
+    unpack4(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + i), x);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + i);
+    const __half2 lo = *reinterpret_cast<const __half2*>(&raw.x), hi = *reinterpret_cast<const __half2*>(&raw.y);
+    x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
+  }
+}
+
+// Time split of a varlen batch: the warp of a scanned segment's first chunk (head 0) enters the segment in its
+// window's table entry (kda_params.h). Entries of windows where no scanned segment starts keep the all-ones
+// fill (n = -1). Fixed-length batches need no table: their CTAs find their segments by arithmetic.
+__device__ __forceinline__ void note_scanned_segment(const FwdParams& p, int64_t n, int64_t len, int64_t slot,
+                                                     int64_t chunk) {
+  const int L = p.segment_chunks;
+  if (chunk % L != 0) return;
+  const int64_t j = chunk / L;
+  if (j + 1 >= segment_count(len, L)) return;  // a sequence's last segment needs no map
+  if (threadIdx.x % 32 == 0) window_table(p)[slot / L] = WindowItem{static_cast<int32_t>(n), static_cast<int32_t>(j)};
 }
 
 // Row address for ldmatrix of the A fragment of rows 0..15, k-step ks, of a swizzled [16][128] tile.
@@ -95,19 +115,20 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
   return tile + swizzle_wide(row, col);
 }
 
-__global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdParams p) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Item `item` = (chunk slot, head) of the preparation, by one warp.
+__device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, int lane, int warp) {
   const int H = p.heads;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrepWarps + warp;
   if (item >= num_chunk_slots(p.total_tokens, p.num_seqs) * H) return;  // warp-uniform; no CTA barrier below
   const int64_t slot = item / H;
   const int h = static_cast<int>(item % H);
 
-  const int64_t n = find_sequence(p, slot);
+  const int64_t n = find_sequence(p.cu_seqlens, p.cu_seqlens_is_int64, p.num_seqs, p.seqlen, p.total_tokens, slot,
+                                  [](int64_t bos, int64_t i) { return first_slot(bos, i); });
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   const int64_t chunk = slot - first_slot(bounds.bos, n);
   const int64_t len = bounds.eos - bounds.bos;
   if (chunk < 0 || chunk * kChunk >= len) return;  // an unused slot
+  if (p.segment_chunks > 0 && p.cu_seqlens != nullptr && h == 0) note_scanned_segment(p, n, len, slot, chunk);
   const int64_t t0 = bounds.bos + chunk * kChunk;
   const int64_t remaining = len - chunk * kChunk;
   const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
@@ -145,10 +166,10 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdPara
   cp_async_commit();
 
   // Phase 1: gates γ = sigmoid((g + dt_bias)·2^(A_log·log2 e))·lower_bound·log2 e and their running sum G.
-  const float exp_a = ex2_approx(__fmul_rn(p.A_log[h], kLog2e));
+  const float exp_a = ex2_approx(__fmul_rn(load_param(p.A_log, p.A_log_type, h), kLog2e));
   const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
-  const float4 bias = *reinterpret_cast<const float4*>(p.dt_bias + static_cast<int64_t>(h) * kHeadDim + ch0);
-  const float bias_c[4] = {bias.x, bias.y, bias.z, bias.w};
+  float bias_c[4];
+  load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, bias_c);
   uint2 g_raw[kChunk];
 #pragma unroll
   for (int r = 0; r < kChunk; ++r) g_raw[r] = load4_raw(g + row_offset(r), r < rows);
@@ -306,6 +327,12 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdPara
       *reinterpret_cast<uint4*>(rec_mqk + swizzle_narrow(i, 8 * half)) = bits;
     }
   }
+}
+
+__global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdParams p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrepWarps + warp;
+  prepare_item(p, item, lane, warp);
 }
 
 }  // namespace

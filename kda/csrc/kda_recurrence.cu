@@ -19,12 +19,12 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
-#include "kda/csrc/kda_plan.h"
 #include "kda/csrc/sm90_async.cuh"
 
 namespace kda {
@@ -90,32 +90,68 @@ __device__ __forceinline__ void fill_values(uint8_t* value_tile, int value_strid
   cp_async_16(value_tile + c * value_stride + 2 * (local_v + 8 * piece), src, valid ? 16 : 0);
 }
 
-template <typename StateT, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
-  using Smem = RecurrenceSmem<kWarps>;
-  const int64_t n = blockIdx.x;
-  const int h = blockIdx.y;
-  const int H = p.heads;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gi = lane >> 2, ti = lane & 3;
-  const int cta_v0 = blockIdx.z * Smem::kRows;  // first state row of this CTA
-  const int local_v = warp * 16;                 // this warp's first row inside the CTA's slice
-  const int v_base = cta_v0 + local_v;
+// This warp's 16 state rows as fp32 mma accumulators: s[nt][i] = S[v_base + gi + 8*(i/2)][8*nt + 2*ti + i%2].
+using StateRows = float[kHeadDim / 8][4];
 
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Smem::kBarrierOffset);
+// Loads S rows v_base.. from a row-major [128][128] state of type T (the caller's initial state, or fp32
+// workspace states of the time split).
+template <typename T>
+__device__ __forceinline__ void load_rows(StateRows& s, const T* state, int v_base, int gi, int ti) {
+#pragma unroll
+  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = v_base + gi + 8 * half;
+      load_state_pair<T>(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ void store_rows(T* state, const StateRows& s, int v_base, int gi, int ti) {
+#pragma unroll
+  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = v_base + gi + 8 * half;
+      store_state_pair(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+    }
+  }
+}
+__device__ __forceinline__ void fill_rows(StateRows& s, float value) {
+#pragma unroll
+  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] = value;
+  }
+}
+
+// Sets up the CTA's stage barriers (once per CTA: a CTA runs one chunk range).
+template <int kWarps>
+__device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + RecurrenceSmem<kWarps>::kBarrierOffset);
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], 1);
+    for (int st = 0; st < kStages; ++st) mbarrier_init(&full[st], 1);
     mbarrier_init_fence();
   }
   __syncthreads();
+  return full;
+}
 
-  const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+// Runs chunks c0 .. c0 + count - 1 of (sequence `bounds`, head h) over this warp's 16 state rows `s`.
+// kOutput: compute and store the chunk outputs (the finishing pass); the scan pass only needs the end state.
+// kValues: the value rows enter (state rows); transition rows (the map M of the time split) see v = 0.
+template <int kWarps, bool kOutput, bool kValues>
+__device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
+                                           const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
+                                           StateRows& s) {
+  using Smem = RecurrenceSmem<kWarps>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gi = lane >> 2, ti = lane & 3;
+  const int local_v = warp * 16;  // this warp's first row inside the CTA's slice
+  const int H = p.heads;
   const int64_t len = bounds.eos - bounds.bos;
-  const int64_t num_chunks = (len + kChunk - 1) / kChunk;
   const int64_t slot0 = first_slot(bounds.bos, n);
-  const size_t state_offset = (static_cast<size_t>(n) * H + h) * kHeadDim * kHeadDim;
   const int64_t token_stride = static_cast<int64_t>(H) * kHeadDim;  // elements between consecutive tokens
   // This head's value / output rows of the sequence's first token, at this warp's first state row.
   const auto* v_seq = static_cast<const __nv_bfloat16*>(p.v) + bounds.bos * token_stride + h * kHeadDim + v_base;
@@ -123,37 +159,20 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     const int64_t remaining = len - chunk * kChunk;
     return static_cast<int>(remaining < kChunk ? remaining : kChunk);
   };
-  // Issues chunk `chunk`'s copies into its stage; every warp commits one cp.async group per call.
-  auto fill = [&](int64_t chunk) {
-    if (chunk < num_chunks) {
-      uint8_t* stage = smem + static_cast<int>(chunk % kStages) * Smem::kStageBytes;
-      if (warp == 0) fill_record(stage, &full[chunk % kStages], p, slot0 + chunk, h, lane);
-      fill_values(stage + Smem::kValueOffset, Smem::kValueStride, v_seq + chunk * kChunk * token_stride,
-                  token_stride, rows_of(chunk), local_v, lane);
+  // Issues local chunk i's copies into its stage; every warp commits one cp.async group per call.
+  auto fill = [&](int64_t i) {
+    if (i < count) {
+      const int64_t chunk = c0 + i;
+      uint8_t* stage = smem + static_cast<int>(i % kStages) * Smem::kStageBytes;
+      if (warp == 0) fill_record(stage, &full[i % kStages], p, slot0 + chunk, h, lane);
+      if (kValues) {
+        fill_values(stage + Smem::kValueOffset, Smem::kValueStride, v_seq + chunk * kChunk * token_stride,
+                    token_stride, rows_of(chunk), local_v, lane);
+      }
     }
     cp_async_commit();
   };
-  for (int64_t c = 0; c < kStages - 1; ++c) fill(c);
-
-  // s[nt][i]: S[v_base + gi + 8*(i/2)][8*nt + 2*ti + i%2]
-  float s[kHeadDim / 8][4];
-  if (p.initial_state != nullptr) {
-    const StateT* init = static_cast<const StateT*>(p.initial_state) + state_offset;
-#pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = v_base + gi + 8 * half;
-        load_state_pair<StateT>(init + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
-    }
-  }
+  for (int64_t i = 0; i < kStages - 1; ++i) fill(i);
 
   // The row this lane addresses for ldmatrix: matrix mat = lane / 8, row lane % 8 of it. Every B operand here
   // (Kd, Qd with k = state column; Krᵀ, INV, Mqk with k = token) is loaded as matrices (n-tile, k half) =
@@ -164,15 +183,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
   const int value_offset = Smem::kValueOffset + frag_row * Smem::kValueStride + 2 * (local_v + 8 * frag_half);
 
   auto* out_seq = static_cast<__nv_bfloat16*>(p.out) + bounds.bos * token_stride + h * kHeadDim + v_base + 2 * ti;
-  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+  for (int64_t i = 0; i < count; ++i) {
     // Refill the stage the previous step released (the CTA barrier at the end of that step), then wait for
     // this chunk: its value rows (this warp's own copies, the oldest of kStages groups) and its record.
-    fill(chunk + kStages - 1);
+    fill(i + kStages - 1);
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    const int stage_index = static_cast<int>(chunk % kStages);
+    const int stage_index = static_cast<int>(i % kStages);
     const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
-    mbarrier_wait_parity_warp(&full[stage_index], static_cast<uint32_t>((chunk / kStages) & 1));
+    mbarrier_wait_parity_warp(&full[stage_index], static_cast<uint32_t>((i / kStages) & 1));
 
     const auto* kd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKdOffset);
     const auto* qd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kQdOffset);
@@ -187,7 +206,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) acc_to_a_frag(s_frag[ks], s[2 * ks], s[2 * ks + 1]);
 
-    // Pᵀ and Oᵀ: four independent accumulation chains, each over k-steps 0..7 in order.
+    // Pᵀ and Oᵀ: independent accumulation chains, each over k-steps 0..7 in order.
     float p_acc[2][4] = {};
     float o_acc[2][4] = {};
 #pragma unroll
@@ -195,19 +214,21 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
       uint32_t kd_frag[4], qd_frag[4];
       const int col = 16 * ks + 8 * frag_half;
       ldmatrix_x4(kd_frag, kd + swizzle_wide(frag_row, col));
-      ldmatrix_x4(qd_frag, qd + swizzle_wide(frag_row, col));
+      if (kOutput) ldmatrix_x4(qd_frag, qd + swizzle_wide(frag_row, col));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const uint32_t bk[2] = {kd_frag[2 * nt], kd_frag[2 * nt + 1]};
-        const uint32_t bq[2] = {qd_frag[2 * nt], qd_frag[2 * nt + 1]};
         mma_bf16_16816(p_acc[nt], s_frag[ks], bk);
-        mma_bf16_16816(o_acc[nt], s_frag[ks], bq);
+        if (kOutput) {
+          const uint32_t bq[2] = {qd_frag[2 * nt], qd_frag[2 * nt + 1]};
+          mma_bf16_16816(o_acc[nt], s_frag[ks], bq);
+        }
       }
     }
 
-    // Wᵀ[v][c] = β[c]·(V[c][v] − Pᵀ[v][c]).
-    uint32_t v_frag[4];  // [token tile nt][v half]: (V[8nt+2t][v], V[8nt+2t+1][v]), v = g (+8)
-    ldmatrix_x4_trans(v_frag, stage + value_offset);
+    // Wᵀ[v][c] = β[c]·(V[c][v] − Pᵀ[v][c])  (V = 0 for transition rows).
+    uint32_t v_frag[4] = {0u, 0u, 0u, 0u};  // [token tile nt][v half]: (V[8nt+2t][v], V[8nt+2t+1][v]), v = g (+8)
+    if (kValues) ldmatrix_x4_trans(v_frag, stage + value_offset);
     float w[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -225,7 +246,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     // Uᵀ = bf16(Wᵀ)·INVᵀ: B(k = c, n = c') = INV[c'][c], i.e. INV's rows.
     uint32_t inv_frag[4], mqk_frag[4];
     ldmatrix_x4(inv_frag, inv + swizzle_narrow(frag_row, 8 * frag_half));
-    ldmatrix_x4(mqk_frag, mqk + swizzle_narrow(frag_row, 8 * frag_half));
+    if (kOutput) ldmatrix_x4(mqk_frag, mqk + swizzle_narrow(frag_row, 8 * frag_half));
     float u[2][4] = {};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -254,46 +275,169 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
       }
     }
 
-    // Oᵀ += bf16(Uᵀ)·Mqkᵀ, then out[token][h][v]: each 8x8 bf16 block is transposed in registers so a lane
-    // stores two adjacent v of one token.
+    if (kOutput) {
+      // Oᵀ += bf16(Uᵀ)·Mqkᵀ, then out[token][h][v]: each 8x8 bf16 block is transposed in registers so a lane
+      // stores two adjacent v of one token.
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const uint32_t b[2] = {mqk_frag[2 * nt], mqk_frag[2 * nt + 1]};
-      mma_bf16_16816(o_acc[nt], u_frag, b);
-    }
-    const int rows = rows_of(chunk);
-    __nv_bfloat16* out_chunk = out_seq + (chunk * kChunk + gi) * token_stride;
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t b[2] = {mqk_frag[2 * nt], mqk_frag[2 * nt + 1]};
+        mma_bf16_16816(o_acc[nt], u_frag, b);
+      }
+      const int64_t chunk = c0 + i;
+      const int rows = rows_of(chunk);
+      __nv_bfloat16* out_chunk = out_seq + (chunk * kChunk + gi) * token_stride;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t block = movmatrix_trans(pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1]));
-        if (8 * nt + gi < rows) {  // token 8nt + gi of the chunk
-          *reinterpret_cast<uint32_t*>(out_chunk + 8 * nt * token_stride + 8 * half) = block;
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t block = movmatrix_trans(pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1]));
+          if (8 * nt + gi < rows) {  // token 8nt + gi of the chunk
+            *reinterpret_cast<uint32_t*>(out_chunk + 8 * nt * token_stride + 8 * half) = block;
+          }
         }
       }
     }
     __syncthreads();  // every warp is done with this stage before warp 0 refills it
   }
+}
 
-  if (p.final_state != nullptr) {
-    StateT* fin = static_cast<StateT*>(p.final_state) + state_offset;
-#pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = v_base + gi + 8 * half;
-        store_state_pair(fin + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
-      }
+// The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
+// and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
+// whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
+template <typename InitT, typename FinalT, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
+  using Smem = RecurrenceSmem<kWarps>;
+  const int h = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gi = lane >> 2, ti = lane & 3;
+  const int v_base = blockIdx.z * Smem::kRows + warp * 16;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = init_ring<kWarps>(smem);
+
+  const int L = p.segment_chunks;
+  int64_t n = blockIdx.x, j = 0;  // sequence and segment of this CTA column (kda_params.h, pass_columns)
+  if (L > 0 && p.cu_seqlens == nullptr) {
+    const int64_t segments = segment_count(p.seqlen, L);
+    n = blockIdx.x / segments;
+    j = blockIdx.x % segments;
+  } else if (L > 0) {
+    n = find_sequence(p.cu_seqlens, p.cu_seqlens_is_int64, p.num_seqs, p.seqlen, p.total_tokens, blockIdx.x,
+                      [L](int64_t bos, int64_t i) { return first_segment_slot(bos, i, L); });
+  }
+  const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+  const int64_t len = bounds.eos - bounds.bos;
+  const int64_t num_chunks = (len + kChunk - 1) / kChunk;
+  const size_t state_offset = (static_cast<size_t>(n) * p.heads + h) * kHeadDim * kHeadDim;
+
+  StateRows s;
+  int64_t c0 = 0, count = num_chunks;
+  bool last = true;
+  const float* split_start = nullptr;  // the start state from the time split's composition (fp32)
+  if (L > 0) {
+    if (p.cu_seqlens != nullptr) j = static_cast<int64_t>(blockIdx.x) - first_segment_slot(bounds.bos, n, L);
+    const int64_t segments = segment_count(len, L);
+    if (j < 0 || j >= segments) return;  // an unused segment slot (CTA-uniform)
+    c0 = j * L;
+    count = num_chunks - c0 < L ? num_chunks - c0 : L;
+    last = j + 1 == segments;
+    if (segments > 1) {
+      split_start = reinterpret_cast<const float*>(
+          j == 0 ? window_data(p, window_of(bounds.bos, n, 0, L), h) + WindowLayout::kFirstOffset
+                 : window_data(p, window_of(bounds.bos, n, j - 1, L), h) + WindowLayout::kNextOffset);
     }
+  }
+  if (split_start != nullptr) {
+    load_rows<float>(s, split_start, v_base, gi, ti);
+  } else if (p.initial_state != nullptr) {
+    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset, v_base, gi, ti);
+  } else {
+    fill_rows(s, 0.f);
+  }
+
+  run_chunks<kWarps, true, true>(p, smem, full, n, h, bounds, c0, count, v_base, s);
+
+  if (last && p.final_state != nullptr) {
+    store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
   }
 }
 
-template <typename StateT, int kWarps>
-void launch_with(const FwdParams& p, int v_split, cudaStream_t stream) {
+// The scan pass of the time split: one CTA per (scanned segment, head, map part). The segment is run twice over the same records: from zero with the values (its end state Q) and from the identity
+// without them (the transition map M, as rows: row i is e_i carried through the segment). Both go to the
+// window's storage: Q in fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;
-  auto kernel = kda_recurrence_kernel<StateT, kWarps>;
-  // More than 48 KB of dynamic shared memory needs an opt-in, once per function and device (no sync).
+  const int L = p.segment_chunks;
+  int64_t n, j, window;  // the scanned segment of this CTA column (kda_params.h, pass_columns)
+  if (p.cu_seqlens == nullptr) {
+    const int64_t per_seq = segment_count(p.seqlen, L) - 1;
+    n = blockIdx.x / per_seq;
+    j = blockIdx.x % per_seq;
+    window = window_of(n * p.seqlen, n, j, L);
+  } else {
+    const WindowItem item = window_table(p)[blockIdx.x];
+    if (item.n < 0) return;  // no scanned segment starts in this window (CTA-uniform)
+    n = item.n;
+    j = item.j;
+    window = blockIdx.x;
+  }
+  const int h = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gi = lane >> 2, ti = lane & 3;
+  constexpr int kParts = kHeadDim / Smem::kRows;  // CTAs per map
+  const bool transition = static_cast<int>(blockIdx.z) < kParts;
+  const int v_base = (blockIdx.z % kParts) * Smem::kRows + warp * 16;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = init_ring<kWarps>(smem);
+
+  const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+  uint8_t* data = window_data(p, window, h);
+  StateRows s;
+  if (transition) {
+#pragma unroll
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = (v_base + gi + 8 * (i >> 1) == 8 * nt + 2 * ti + (i & 1)) ? 1.f : 0.f;
+    }
+    run_chunks<kWarps, false, false>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    // Rows v_base.. of M are k-step v_base / 16 of the composition's B operand (k = input state column i,
+    // n = output column): b0 of lane (g, t) is (M[16ks + 2t][8nt + g], M[16ks + 2t + 1][8nt + g]), the
+    // transpose of this lane's accumulator block, hence movmatrix.
+    const int ks = v_base / 16;
+    auto* hi = reinterpret_cast<uint2*>(data + WindowLayout::kMHiOffset);
+    auto* lo = reinterpret_cast<uint2*>(data + WindowLayout::kMLoOffset);
+#pragma unroll
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      uint32_t bh[2], bl[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float x0 = s[nt][2 * half], x1 = s[nt][2 * half + 1];
+        const uint32_t packed = pack_bf16x2(x0, x1);
+        const __nv_bfloat162 h2 = *reinterpret_cast<const __nv_bfloat162*>(&packed);
+        bh[half] = movmatrix_trans(packed);
+        bl[half] = movmatrix_trans(
+            pack_bf16x2(__fsub_rn(x0, __low2float(h2)), __fsub_rn(x1, __high2float(h2))));
+      }
+      const int index = (nt * (kHeadDim / 16) + ks) * 32 + lane;
+      hi[index] = make_uint2(bh[0], bh[1]);
+      lo[index] = make_uint2(bl[0], bl[1]);
+    }
+  } else {
+    fill_rows(s, 0.f);
+    run_chunks<kWarps, false, true>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    store_rows(reinterpret_cast<float*>(data + WindowLayout::kNextOffset), s, v_base, gi, ti);
+  }
+}
+
+// Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps>) on `grid`. More than 48 KB of dynamic
+// shared memory needs an opt-in, once per kernel and device (a driver call, no synchronisation): the kernel
+// is a template argument so that each kernel has its own record of it.
+template <int kWarps, auto kKernel>
+void launch_ring_kernel(const dim3& grid, const FwdParams& p, cudaStream_t stream) {
+  constexpr auto kernel = kKernel;
+  using Smem = RecurrenceSmem<kWarps>;
   constexpr int kMaxDevices = 64;
   static bool opted_in[kMaxDevices] = {};
   int device = 0;
@@ -302,19 +446,38 @@ void launch_with(const FwdParams& p, int v_split, cudaStream_t stream) {
     KDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
     if (device < kMaxDevices) opted_in[device] = true;
   }
-  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads), static_cast<unsigned>(v_split));
   kernel<<<grid, kWarps * 32, Smem::kBytes, stream>>>(p);
+}
+
+// CTAs of 128 / v_split rows, i.e. 8 / v_split warps.
+template <typename Launch>
+void with_warps(int v_split, Launch launch) {
+  switch (v_split) {
+    case 1: return launch(std::integral_constant<int, 8>{});
+    case 2: return launch(std::integral_constant<int, 4>{});
+    case 4: return launch(std::integral_constant<int, 2>{});
+    case 8: return launch(std::integral_constant<int, 1>{});
+    default: throw std::invalid_argument("flash_kda: v_split must be 1, 2, 4 or 8, got " + std::to_string(v_split));
+  }
+}
+
+template <typename InitT, typename FinalT>
+void launch_finish(const FwdParams& p, cudaStream_t stream) {
+  const int64_t columns = pass_columns(p).finish;
+  const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.v_split));
+  with_warps(p.v_split, [&](auto warps) {
+    constexpr int kWarps = decltype(warps)::value;
+    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps>>(grid, p, stream);
+  });
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
 
-template <typename StateT>
-void launch_for_state(const FwdParams& p, int v_split, cudaStream_t stream) {
-  switch (v_split) {
-    case 1: return launch_with<StateT, 8>(p, v_split, stream);
-    case 2: return launch_with<StateT, 4>(p, v_split, stream);
-    case 4: return launch_with<StateT, 2>(p, v_split, stream);
-    case 8: return launch_with<StateT, 1>(p, v_split, stream);
-    default: throw std::invalid_argument("flash_kda: v_split must be 1, 2, 4 or 8, got " + std::to_string(v_split));
+template <typename InitT>
+void launch_finish_for(const FwdParams& p, cudaStream_t stream) {
+  if (p.final_is_fp32) {
+    launch_finish<InitT, float>(p, stream);
+  } else {
+    launch_finish<InitT, __nv_bfloat16>(p, stream);
   }
 }
 
@@ -322,12 +485,24 @@ void launch_for_state(const FwdParams& p, int v_split, cudaStream_t stream) {
 
 void launch_recurrence(const FwdParams& p, cudaStream_t stream) {
   if (p.num_seqs == 0 || p.heads == 0) return;
-  const int v_split = p.v_split > 0 ? p.v_split : choose_v_split(p.num_seqs, p.heads, current_sm_count());
-  if (p.state_is_fp32) {
-    launch_for_state<float>(p, v_split, stream);
+  if (p.initial_is_fp32) {
+    launch_finish_for<float>(p, stream);
   } else {
-    launch_for_state<__nv_bfloat16>(p, v_split, stream);
+    launch_finish_for<__nv_bfloat16>(p, stream);
   }
+}
+
+void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
+  const int64_t columns = pass_columns(p).scan;
+  if (columns == 0 || p.heads == 0) return;
+  // z: the M parts, then the Q parts (scan_v_split CTAs each).
+  const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads),
+                  static_cast<unsigned>(2 * p.scan_v_split));
+  with_warps(p.scan_v_split, [&](auto warps) {
+    constexpr int kWarps = decltype(warps)::value;
+    launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps>>(grid, p, stream);
+  });
+  KDA_CHECK_LAUNCH("kda_segment_scan_kernel");
 }
 
 }  // namespace kda

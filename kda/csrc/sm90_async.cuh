@@ -50,6 +50,11 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
       : "memory");
 }
 
+// ---- bulk prefetch of a global range into L2 (16-byte aligned, size % 16 == 0): no registers, no completion ----
+__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
+}
+
 // ---- per-thread 16-byte async copy global -> shared (zero-fills the bytes past src_bytes), in commit groups --
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),

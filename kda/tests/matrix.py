@@ -11,6 +11,9 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
 - ``forced_vsplit``: every case of the slices above except smoke and long_context again, with the
   recurrence's V split forced (``flash_kda.testing.force_plan``) to 1, 2, 4 or 8 in turn, so every split runs
   on every kind of shape (the automatic choice gives H96 split 1, H32 split 4, H1/H4 split 8).
+- ``forced_tsplit``: the same cases again with the time split forced to segments of 1, 2, 3, 5 or 8 chunks
+  (and the V split cycling too), so the scan, the composition and the segmented finish run on every kind of
+  shape — short, ragged, empty and one-token sequences, every state mode — against the twin's re-enactment.
 
 A state configuration is (state_io, state_dtype): state_io in STATE_IO, state dtype bf16 or fp32 ("none" for
 no_state, where no state tensor exists so the dtype has no meaning and is not repeated).
@@ -39,9 +42,10 @@ BATCHED_BT = ((2, 64), (2, 1024), (4, 256), (8, 128))
 VARLEN_H = (1, 4, 96)
 SLICES = (
     "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
-    "forced_vsplit",
+    "forced_vsplit", "forced_tsplit",
 )  # fmt: skip
 FORCED_V_SPLITS = (1, 2, 4, 8)
+FORCED_SEGMENT_CHUNKS = (1, 2, 3, 5, 8)
 
 # Input recipes of the adversarial slice (``Case.inputs``); "random" is the default everywhere.
 INPUT_RECIPES = (
@@ -73,6 +77,9 @@ class Case:
     cu_seqlens_int32: bool = False
     inplace_state: bool = False  # final_state is the same tensor as initial_state
     v_split: int = 0  # recurrence V split forced through flash_kda.testing.force_plan; 0: automatic
+    segment_chunks: int = -1  # time split forced through flash_kda.testing.force_plan; -1: automatic
+    final_dtype: str = ""  # final_state's dtype when it differs from state_dtype (fla: bf16 in, fp32 out)
+    param_dtype: str = "fp32"  # A_log and dt_bias ("bf16" / "fp16": a model cast with layer.to(bf16))
     seed: int = -1  # -1: derived from the id
 
     def __post_init__(self) -> None:
@@ -86,6 +93,7 @@ class Case:
         assert self.state_io in STATE_IO, self.state_io
         assert self.inputs in INPUT_RECIPES, self.inputs
         assert not self.inplace_state or self.state_io == "in+out"
+        assert not self.final_dtype or (self.has_final and not self.inplace_state)
 
     @property
     def varlen(self) -> bool:
@@ -127,10 +135,16 @@ class Case:
             extras.append("cu=int32")
         if self.inplace_state:
             extras.append("inplace")
+        if self.final_dtype:
+            extras.append(f"final={self.final_dtype}")
+        if self.param_dtype != "fp32":
+            extras.append(f"params={self.param_dtype}")
         if self.slice in ("smoke", "adversarial"):  # their shapes recur in other slices
             extras.insert(0, "adv" if self.slice == "adversarial" else "smoke")
         if self.v_split:
             extras.insert(0, f"vsplit{self.v_split}")
+        if self.segment_chunks >= 0:
+            extras.insert(0, f"tsplit{self.segment_chunks}")
         prefix = "".join(f"{x}_" for x in extras)
         return f"{prefix}{shape}_state_dtype={self.state_dtype}[{self.state_io}]"
 
@@ -195,6 +209,15 @@ def _adversarial() -> list[Case]:
         cases.append(Case("adversarial", H=4, seqlens=(20, 50, 100), cu_seqlens_int32=True, state_dtype=dt))
         cases.append(Case("adversarial", H=4, T=97, inplace_state=True, state_dtype=dt))
         cases.append(Case("adversarial", H=4, seqlens=(16, 0, 37), inplace_state=True, state_dtype=dt))
+    # The dtypes real callers pass: mixed initial / final state dtypes, bf16 / fp16 gate parameters.
+    for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
+        for params in ("fp32", "bf16", "fp16"):
+            cases.append(Case("adversarial", H=4, T=97, state_dtype=init, final_dtype=final, param_dtype=params))
+            cases.append(Case("adversarial", H=1, T=1024, state_dtype=init, final_dtype=final, param_dtype=params))
+        cases.append(Case("adversarial", H=4, seqlens=(17, 0, 65), state_dtype=init, final_dtype=final,
+                          param_dtype="bf16"))
+    for params in ("bf16", "fp16"):
+        cases.append(Case("adversarial", H=4, T=97, param_dtype=params))
     return cases
 
 
@@ -206,12 +229,27 @@ def _forced_vsplit(base: list[Case]) -> list[Case]:
     ]
 
 
+def _forced_tsplit(base: list[Case]) -> list[Case]:
+    """The base cases again with the time split forced (segment lengths cycling through FORCED_SEGMENT_CHUNKS,
+    V splits through FORCED_V_SPLITS in the other direction)."""
+    return [
+        dataclasses.replace(
+            c,
+            slice="forced_tsplit",
+            segment_chunks=FORCED_SEGMENT_CHUNKS[i % len(FORCED_SEGMENT_CHUNKS)],
+            v_split=FORCED_V_SPLITS[-1 - i % len(FORCED_V_SPLITS)],
+        )
+        for i, c in enumerate(base)
+    ]
+
+
 def all_cases() -> list[Case]:
     cases = [Case("smoke", H=4, T=97, seed=0)]
     base = _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
     base += _varlen() + _batched()
     adversarial = _adversarial()
     cases += base + _long_context() + adversarial + _forced_vsplit(base + adversarial)
+    cases += _forced_tsplit(base + adversarial)
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases
@@ -234,7 +272,7 @@ def replace(case: Case, **changes) -> Case:
     return dataclasses.replace(case, **changes)
 
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
 def make_inputs(case: Case, device) -> dict:
@@ -242,8 +280,8 @@ def make_inputs(case: Case, device) -> dict:
 
     Returns a dict with the ``flash_kda.fwd`` arguments: q, k, v, g, beta, scale, out, A_log, dt_bias,
     lower_bound, initial_state, final_state, cu_seqlens. Distributions follow fla's KDA tests: bf16 randn
-    q/k/v/g/beta (beta as logits), fp32 randn A_log [H] and dt_bias [H, K], an fp32 randn initial state cast to
-    the state dtype. ``out`` and ``final_state`` are NaN-filled so unwritten elements fail loudly.
+    q/k/v/g/beta (beta as logits), fp32 randn A_log [H] and dt_bias [H, K] (cast to the case's param dtype), an
+    fp32 randn initial state cast to the state dtype. ``out`` and ``final_state`` are NaN-filled so unwritten elements fail loudly.
     """
     import torch  # noqa: PLC0415 -- the data above is importable without torch
 
@@ -257,8 +295,9 @@ def make_inputs(case: Case, device) -> dict:
 
     q, k, v, g = (randn(B, T, H, D, dtype=bf16) for _ in range(4))
     beta = randn(B, T, H, dtype=bf16)
-    A_log = randn(H)
-    dt_bias = randn(H, D)
+    param_dtype = getattr(torch, DTYPES[case.param_dtype])
+    A_log = randn(H, dtype=param_dtype)
+    dt_bias = randn(H, D, dtype=param_dtype)
     recipe = case.inputs
     if recipe.startswith("g="):
         g.fill_(float(recipe[2:]))
@@ -277,7 +316,8 @@ def make_inputs(case: Case, device) -> dict:
     if case.inplace_state:
         final_state = initial_state
     elif case.has_final:
-        final_state = torch.full((N, H, D, D), float("nan"), dtype=state_dtype, device=device)
+        final_dtype = getattr(torch, DTYPES[case.final_dtype]) if case.final_dtype else state_dtype
+        final_state = torch.full((N, H, D, D), float("nan"), dtype=final_dtype, device=device)
     else:
         final_state = None
     cu_seqlens = None

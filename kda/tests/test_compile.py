@@ -99,8 +99,8 @@ def test_fake_cuda_tensors_trace_without_a_gpu():
 @pytest.mark.parametrize(
     "changes, exc, pattern",
     [
-        (dict(A_log=lambda q: torch.empty(4, dtype=torch.float16, device="cuda")), TypeError,
-         r"A_log must be float32, got A_log.dtype=torch.float16"),
+        (dict(A_log=lambda q: torch.empty(4, dtype=torch.float64, device="cuda")), TypeError,
+         r"A_log must be float32, bfloat16 or float16, got A_log.dtype=torch.float64"),
         (dict(out=lambda q: torch.empty(1, 32, 4, 64, dtype=torch.bfloat16, device="cuda")), ValueError,
          r"out must have shape \[1, 32, 4, 128\]"),
         (dict(lower_bound=-7.0), ValueError, r"lower_bound must be a finite number in \[-5.0, 0.0\]"),

@@ -107,3 +107,53 @@ def test_fla_flash_kda_0_keeps_fla_on_its_own_kernels(fwd_calls, set_dispatch):
     out, final = _fla_chunk_kda(_inputs())
     assert fwd_calls == [], "chunk_kda dispatched to flash_kda.fwd although FLA_FLASH_KDA=0"
     assert torch.isfinite(out.float()).all() and torch.isfinite(final).all()
+
+
+# --- fla's KimiDeltaAttention layer, as inference code runs it ---------------------------------------------
+
+
+def _kda_layer_class():
+    """fla.layers.kda.KimiDeltaAttention without fla.layers/__init__.py, which imports every layer and with them
+    `transformers` (not a dependency of this test; the KDA layer itself needs only fla and einops)."""
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    import fla  # noqa: PLC0415
+
+    if "fla.layers" not in sys.modules:
+        package = types.ModuleType("fla.layers")
+        package.__path__ = [os.path.join(os.path.dirname(fla.__file__), "layers")]
+        sys.modules["fla.layers"] = package
+    from fla.layers.kda import KimiDeltaAttention  # noqa: PLC0415
+
+    return KimiDeltaAttention
+
+
+def _layer_outputs(layer, x, *, dispatch: bool, set_dispatch, autocast: bool):
+    set_dispatch(dispatch)
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = layer(x)[0]
+    return out.float()
+
+
+@pytest.mark.parametrize("precision", ["bf16_layer", "autocast"])
+def test_kimi_delta_attention_layer_dispatches(precision, fwd_calls, set_dispatch):
+    """The layer cast with layer.to(torch.bfloat16) hands A_log and dt_bias over as bf16, and under autocast an
+    fp32 layer hands bf16 activations with fp32 parameters: both reach flash_kda.fwd, and the layer's output
+    stays close to fla's own Triton path (different kernels: not bit for bit)."""
+    torch.manual_seed(0)
+    layer = _kda_layer_class()(hidden_size=512, head_dim=D, num_heads=4, mode="chunk", safe_gate=True,
+                               lower_bound=LOWER_BOUND).cuda().eval()
+    autocast = precision == "autocast"
+    if not autocast:
+        layer = layer.to(torch.bfloat16)
+        assert layer.A_log.dtype == torch.bfloat16 and layer.dt_bias.dtype == torch.bfloat16
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.float32 if autocast else torch.bfloat16)
+    ours = _layer_outputs(layer, x, dispatch=True, set_dispatch=set_dispatch, autocast=autocast)
+    assert len(fwd_calls) == 1, f"the layer called flash_kda.fwd {len(fwd_calls)} times, expected once"
+    fla_own = _layer_outputs(layer, x, dispatch=False, set_dispatch=set_dispatch, autocast=autocast)
+    assert len(fwd_calls) == 1, "FLA_FLASH_KDA=0 still dispatched"
+    assert torch.isfinite(ours).all()
+    rel = ((ours - fla_own).norm() / fla_own.norm()).item()
+    assert rel < 3e-2, f"layer output differs from fla's own path by rel L2 {rel:.3e}"

@@ -2,8 +2,9 @@
 
 Every case (matrix.py; ``--kda-slice`` picks slices):
 1. builds its inputs on the GPU from its seed, NaN-poisons ``out`` and ``final_state``;
-2. calls ``flash_kda.fwd`` (under ``flash_kda.testing.force_plan`` when the case forces a V split);
-3. asserts ``torch.equal`` with ``numerics.twin_forward`` on out and on final_state (cast to the state dtype);
+2. calls ``flash_kda.fwd`` (under ``flash_kda.testing.force_plan`` when the case forces a V or time split);
+3. asserts ``torch.equal`` with ``numerics.twin_forward`` (re-enacting the plan's time split) on out and on
+   final_state (cast to the state dtype);
 4. asserts the inputs are unchanged (bitwise, against clones taken before the call);
 5. compares with the float64 ground truth ``reference.reference_chunked`` (on the GPU): relative L2 of out and
    final_state, and the worst relative L2 over windows of WINDOW tokens of out (per sequence).
@@ -70,12 +71,14 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     args = {**matrix.twin_args(x), "initial_state": before.get("initial_state")}
     stage("inputs")
 
-    with testing.force_plan(v_split=case.v_split):
+    forced_segments = case.segment_chunks if case.segment_chunks >= 0 else None
+    with testing.force_plan(v_split=case.v_split, segment_chunks=forced_segments):
         flash_kda.fwd(**_fwd_args(x))
-    stage("flash_kda.fwd")
+        plan = flash_kda.plan(x["q"], x["cu_seqlens"])
+    stage(f"flash_kda.fwd {plan}")
 
     failures: list[str] = []
-    twin_out, twin_state = numerics.twin_forward(**args)
+    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks)
     stage("numerics.twin_forward")
     if not torch.equal(x["out"], twin_out):
         failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")
@@ -99,7 +102,7 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
         failures.append(str(e))
     record("out_rel_l2", report.rel_l2)
     record("out_window_rel_l2", report.window_rel_l2)
-    line = f"[{case.id}] out vs float64: rel_l2={report.rel_l2:.3e} window={report.window_rel_l2:.3e}"
+    line = f"[{case.id}] {plan} out vs float64: rel_l2={report.rel_l2:.3e} window={report.window_rel_l2:.3e}"
     if case.has_final:
         state_report = compare.compare(x["final_state"], ref_state)
         record(f"state_{case.state_dtype}_rel_l2", state_report.rel_l2)
@@ -175,16 +178,35 @@ def test_cuda_graph_capture() -> None:
 
 
 @pytest.mark.kda_slice("adversarial")
-@pytest.mark.parametrize("cu", [[0, 50, 30, 97], [0, 10, 500], [5, 20, 97], [0, -4, 97]], ids=str)
-def test_malformed_cu_seqlens_is_memory_safe(cu: list[int]) -> None:
-    """Malformed boundaries are not checked on the host (that would synchronise); the kernel must clamp them:
-    the call completes without a device fault (its result is unspecified), and check_cu_seqlens rejects them."""
+@pytest.mark.parametrize(
+    "cu, first_bad", [([0, 50, 30, 97], 2), ([0, 10, 500], 2), ([5, 20, 97], 0), ([0, -4, 97], 1), ([0, 40, 90], 2)],
+    ids=str,
+)
+@pytest.mark.parametrize("segment_chunks", [None, 1], ids=["auto", "tsplit1"])
+def test_malformed_cu_seqlens_is_memory_safe(cu: list[int], first_bad: int, segment_chunks) -> None:
+    """Malformed boundaries are not checked on the host (that would synchronise); the kernels must clamp them:
+    the call completes without a device fault (its result is unspecified, with and without the time split),
+    the device records the first bad boundary for flash_kda.last_error, and check_cu_seqlens rejects them."""
     case = matrix.Case("adversarial", H=4, T=97)
     x = matrix.make_inputs(case, "cuda")
     x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64, device="cuda")
     x["initial_state"] = x["initial_state"][:1].expand(len(cu) - 1, -1, -1, -1).contiguous()
     x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
-    flash_kda.fwd(**_fwd_args(x))
+    assert flash_kda.last_error() is None  # nothing pending from earlier tests
+    with testing.force_plan(segment_chunks=segment_chunks):
+        flash_kda.fwd(**_fwd_args(x))
     torch.cuda.synchronize()  # a device fault would surface here
+    message = flash_kda.last_error()
+    assert message is not None and f"cu_seqlens[{first_bad}]" in message, message
+    assert flash_kda.last_error() is None  # the query resets the word
     with pytest.raises(ValueError, match="cu_seqlens"):
         flash_kda.check_cu_seqlens(x["cu_seqlens"], case.T)
+
+
+@pytest.mark.kda_slice("adversarial")
+def test_well_formed_cu_seqlens_leave_no_error() -> None:
+    case = matrix.Case("adversarial", H=4, seqlens=(17, 0, 65, 1))
+    x = matrix.make_inputs(case, "cuda")
+    for cu in (x["cu_seqlens"], x["cu_seqlens"].to(torch.int32)):
+        flash_kda.fwd(**{**_fwd_args(x), "cu_seqlens": cu})
+    assert flash_kda.last_error() is None

@@ -101,8 +101,10 @@ def test_bf16_arguments(name, dtype):
 
 
 @pytest.mark.parametrize("name", ["A_log", "dt_bias"])
-def test_fp32_arguments(name):
-    raises(TypeError, rf"{name} must be float32, got {name}.dtype=torch.bfloat16", **{name: inputs()[name].bfloat16()})
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn])
+def test_gate_parameter_dtypes(name, dtype):
+    raises(TypeError, rf"{name} must be float32, bfloat16 or float16, got {name}.dtype=torch.{str(dtype)[6:]}",
+           **{name: inputs()[name].to(dtype)})  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["initial_state", "final_state"])
@@ -110,13 +112,22 @@ def test_state_dtype(name):
     raises(TypeError, rf"{name} must be bfloat16 or float32, got {name}.dtype=torch.float16", **{name: inputs()[name].half()})
 
 
-def test_state_dtypes_must_match():
-    raises(
-        TypeError,
-        r"initial_state and final_state must have one dtype, got initial_state.dtype=torch.bfloat16 "
-        r"final_state.dtype=torch.float32",
-        initial_state=inputs()["initial_state"].bfloat16(),
-    )
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("init, final", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_mixed_dtypes_equal_the_widened_call(init, final, param_dtype):
+    """What fla and bf16 models hand over: a bf16 initial state with an fp32 final state (and the reverse), and
+    bf16 / fp16 A_log and dt_bias. The call equals the one with fp32 parameters holding the same values (the
+    CPU path here; on the GPU the mixed-dtype matrix cases check the kernel against the twin)."""
+    x = inputs()
+    x["A_log"], x["dt_bias"] = x["A_log"].to(param_dtype), x["dt_bias"].to(param_dtype)
+    x["initial_state"] = x["initial_state"].to(init)
+    x["final_state"] = torch.full(x["final_state"].shape, float("nan"), dtype=final)
+    flash_kda.fwd(**x)
+    y = dict(x, A_log=x["A_log"].float(), dt_bias=x["dt_bias"].float(), initial_state=x["initial_state"].float(),
+             out=torch.empty_like(x["out"]), final_state=torch.empty(x["final_state"].shape))
+    flash_kda.fwd(**y)
+    assert torch.equal(x["out"], y["out"])
+    assert torch.equal(x["final_state"], y["final_state"].to(final))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8])
@@ -402,17 +413,81 @@ def test_force_plan_refuses_bad_v_split(v_split):
     with pytest.raises(ValueError, match=r"v_split must be 0 \(automatic\) or one of \[1, 2, 4, 8\]"):
         with testing.force_plan(v_split=v_split):
             pass
+    with pytest.raises(ValueError, match=r"scan_v_split must be 0 \(automatic\)"):
+        with testing.force_plan(scan_v_split=v_split):
+            pass
+
+
+@pytest.mark.parametrize("segment_chunks", [-1, True, 2.5, "4"])
+def test_force_plan_refuses_bad_segment_chunks(segment_chunks):
+    from flash_kda import testing
+
+    with pytest.raises(ValueError, match="segment_chunks must be None"):
+        with testing.force_plan(segment_chunks=segment_chunks):
+            pass
 
 
 def test_force_plan_restores():
     from flash_kda import testing
 
-    with testing.force_plan(v_split=4):
-        assert api._forced_v_split == 4
-        with testing.force_plan(v_split=8):
-            assert api._forced_v_split == 8
-        assert api._forced_v_split == 4
-    assert api._forced_v_split == 0
+    with testing.force_plan(v_split=4, segment_chunks=3):
+        assert (api._forced_v_split, api._forced_segment_chunks) == (4, 3)
+        with testing.force_plan(v_split=8, scan_v_split=2):
+            assert (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split) == (8, None, 2)
+        assert (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split) == (4, 3, 0)
+    assert (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split) == (0, None, 0)
+
+
+# (total tokens, T, N, H, varlen): the grid cases of bench_fwd
+_FULL_GPU = [(8192, 8192, 1, 96, False), (8192, 8192, 1, 64, False), (8192, 1024, 8, 32, False),
+             (16384, 512, 32, 32, False), (8192, 8192, 6, 96, True), (8192, 8192, 8, 96, True)]
+_FEW_HEADS = [(131072, 131072, 1, 1, False), (1 << 20, 1 << 20, 1, 1, False), (32768, 32768, 1, 8, False),
+              (8192, 8192, 1, 16, False), (139264, 139264, 65, 4, True)]
+
+
+@pytest.mark.parametrize("shape", _FULL_GPU, ids=str)
+def test_plan_keeps_full_gpus_unsplit(shape):
+    """Where sequences x heads already fill the H200, the time split would only add work."""
+    from flash_kda import testing
+
+    total, T, N, H, varlen = shape
+    plan = testing.default_plan(total, T, N, H, varlen, 132)
+    assert plan.segment_chunks == 0
+    assert plan.v_split == plan.scan_v_split == testing.default_v_split(N, H, 132)
+
+
+@pytest.mark.parametrize("shape", _FEW_HEADS, ids=str)
+def test_plan_splits_long_sequences_on_few_heads(shape):
+    """Long sequences on few heads are cut in time, into enough segments to spread over the GPU."""
+    from flash_kda import testing
+
+    total, T, N, H, varlen = shape
+    plan = testing.default_plan(total, T, N, H, varlen, 132)
+    chunks = -(-(total if varlen else T) // 16)
+    assert plan.segment_chunks > 0 and chunks // plan.segment_chunks >= 2
+    assert plan.v_split in (1, 2, 4, 8) and plan.scan_v_split in (1, 2, 4, 8)
+
+
+def test_forced_time_split_picks_its_own_v_splits():
+    """Forcing no time split on a shape the plan would split gives the V split of the unsplit shape."""
+    from flash_kda import _ext, testing
+
+    plan = api.Plan(*_ext.load().choose_plan(131072, 131072, 1, 1, False, 132, 0))
+    assert plan == api.Plan(testing.default_v_split(1, 1, 132), testing.default_v_split(1, 1, 132), 0)
+    forced = api.Plan(*_ext.load().choose_plan(8192, 8192, 1, 96, False, 132, 4))
+    assert forced.segment_chunks == 4
+
+
+def test_workspace_grows_with_the_time_split():
+    """Each window of a split call stores its segment's map (kda_params.h): 192 KiB per window and head."""
+    from flash_kda import _ext
+
+    C = _ext.load()
+    base = C.workspace_bytes(131072, 1, 2)
+    assert C.workspace_bytes(131072, 1, 2, 0) == base
+    windows = -(-(131072 // 16 + 1) // 128)
+    table = -(-(windows * 8) // 128) * 128
+    assert C.workspace_bytes(131072, 1, 2, 128) == base + table + windows * 2 * 196608
 
 
 # --- workspace -------------------------------------------------------------------------------------------

@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 
 from flash_kda._ext import build_info, device_info
-from flash_kda.api import check_cu_seqlens, fwd, reserve_workspace, workspace_bytes
+from flash_kda.api import Plan, check_cu_seqlens, fwd, last_error, plan, reserve_workspace, workspace_bytes
 
 __version__ = "0.1.0"
 __all__ = [
-    "fwd", "check_cu_seqlens", "workspace_bytes", "reserve_workspace", "device_info", "build_info", "__version__",
+    "fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "Plan", "device_info", "build_info",
+    "__version__",
 ]
 
 _SUBMODULES = ("reference", "numerics", "compare", "api", "ops", "testing", "_ext")

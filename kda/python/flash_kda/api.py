@@ -10,21 +10,65 @@ import math
 import numbers
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 
 from flash_kda import _ext
 
-__all__ = ["fwd", "check_cu_seqlens", "workspace_bytes", "reserve_workspace", "HEAD_DIM", "LOWER_BOUND_RANGE"]
+__all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "Plan",
+           "HEAD_DIM", "LOWER_BOUND_RANGE"]
 
 HEAD_DIM = 128  # K = V = 128: the only head size the kernel is built for.
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # the kernel's chunk size keeps 2^{±G} in range only for lower_bound >= -5.
 REQUIRED_CAPABILITY = (9, 0)  # the kernel is compiled for sm_90a, which runs on compute capability 9.0 only.
-_STATE_DTYPES = (torch.bfloat16, torch.float32)
+_STATE_DTYPES = (torch.bfloat16, torch.float32)  # initial and final state each, independently
+_PARAM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # A_log, dt_bias -> kda::ParamType
 _CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
 _ALIGNMENT = 16  # bytes: q, k, v, g, out, dt_bias and the states are read/written with 16-byte accesses
 _V_SPLITS = (1, 2, 4, 8)
-_forced_v_split = 0  # 0: the kernel chooses; set only through flash_kda.testing.force_plan
+# Set only through flash_kda.testing.force_plan:
+_forced_v_split = 0  # 0: the plan chooses (forcing it forces the scan's V split too, unless that is forced)
+_forced_scan_v_split = 0  # 0: the plan chooses
+_forced_segment_chunks: int | None = None  # None: the plan chooses; 0: no time split; L: segments of L chunks
+_DEFAULT_SM_COUNT = 132  # an H200/H100 SXM, for plans asked about CPU tensors
+
+
+class Plan(NamedTuple):
+    """How ``fwd`` runs a call on the GPU (docs/KERNEL.md, "The plan"); no choice changes a result bit except
+    the time split, which the numerics twin re-enacts."""
+
+    v_split: int  # recurrence CTAs per (segment, head), each owning 128 / v_split state rows
+    scan_v_split: int  # scan-pass CTAs per (scanned segment, head, map)
+    segment_chunks: int  # time split: chunks (16 tokens) per segment; 0 = none
+
+
+def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
+    """The plan ``fwd`` uses for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``) on q's device.
+
+    Host-only: shapes and the device's SM count, never tensor contents (so never a synchronisation)."""
+    B, T, H, _ = q.shape
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    sm_count = _sm_count(q.device) if q.device.type == "cuda" else _DEFAULT_SM_COUNT
+    forced_segments = -1 if _forced_segment_chunks is None else _forced_segment_chunks
+    v_split, scan_v_split, segment_chunks = _ext.load().choose_plan(B * T, T, N, H, cu_seqlens is not None, sm_count,
+                                                                    forced_segments)
+    if _forced_v_split:
+        v_split = scan_v_split = _forced_v_split
+    if _forced_scan_v_split:
+        scan_v_split = _forced_scan_v_split
+    return Plan(int(v_split), int(scan_v_split), int(segment_chunks))
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
 
 
 def fwd(
@@ -64,22 +108,24 @@ def fwd(
     | beta | bf16 | [B, T, H] | beta logits (sigmoid inside) |
     | scale | float | — | output scale, finite (usually K**-0.5) |
     | out | bf16 | [B, T, H, V] | output buffer, written in place |
-    | A_log | fp32 | [H] | log-gate parameter |
-    | dt_bias | fp32 | [H, K] (or flat [H*K]) | gate bias |
+    | A_log | fp32 / bf16 / fp16 | [H] | log-gate parameter (read as if widened to fp32) |
+    | dt_bias | fp32 / bf16 / fp16 | [H, K] (or flat [H*K]) | gate bias (likewise) |
     | lower_bound | float | — | gate lower bound, in [-5, 0] |
     | initial_state | None / bf16 / fp32 | [N, H, V, K] | initial state (None: zeros); never modified |
     | final_state | None / bf16 / fp32 | [N, H, V, K] | output buffer for the final state (may be initial_state) |
     | cu_seqlens | int64 / int32 | [N + 1] | optional sequence boundaries; requires B = 1; may be on the CPU |
     | workspace | uint8 | [≥ workspace_bytes(q, cu_seqlens)] | optional CUDA scratch (keyword only) |
 
-    K = V = 128. All tensors are contiguous and on one device; when both states are given their dtypes match.
+    K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
+    bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
     Only ``out`` and ``final_state`` are written. Returns None.
 
     CUDA: needs compute capability 9.0 (sm_90a). The call never synchronises with the host and allocates no
     device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of a
     CUDA ``cu_seqlens`` are therefore not checked on the host: the kernel clamps malformed boundaries into
     [0, T] (it never reads or writes out of bounds, but the result of a malformed ``cu_seqlens`` is
-    unspecified). To have them checked: pass ``cu_seqlens`` on the CPU (validated there for free, then copied
+    unspecified) and records the first bad boundary, which ``flash_kda.last_error()`` reports. To have them
+    checked before the call: pass ``cu_seqlens`` on the CPU (validated there for free, then copied
     into the workspace asynchronously; not inside graph capture), set ``FLASH_KDA_CHECK_CU_SEQLENS=1`` (every
     call validates on the host, which synchronises), or call ``flash_kda.check_cu_seqlens``. The errors name
     ``cu_seqlens`` and the first bad index. Without ``workspace`` the call uses a cached
@@ -128,15 +174,11 @@ def _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial
         if tensors[name].dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bfloat16, got {name}.dtype={tensors[name].dtype}")
     for name in ("A_log", "dt_bias"):
-        if tensors[name].dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {name}.dtype={tensors[name].dtype}")
+        if tensors[name].dtype not in _PARAM_TYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={tensors[name].dtype}")
     for name in ("initial_state", "final_state"):
         if name in given and given[name].dtype not in _STATE_DTYPES:
             raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={given[name].dtype}")
-    if initial_state is not None and final_state is not None and initial_state.dtype != final_state.dtype:
-        raise TypeError(
-            f"initial_state and final_state must have one dtype, got {initial_state.dtype=} {final_state.dtype=}"
-        )
     if cu_seqlens is not None and cu_seqlens.dtype not in _CU_SEQLENS_DTYPES:
         raise TypeError(f"cu_seqlens must be int64 or int32, got {cu_seqlens.dtype=}")
 
@@ -245,7 +287,8 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
         return None
 
     C = _ext.load()
-    kernel_bytes = C.workspace_bytes(B * T, N, H)
+    run = plan(q, cu_seqlens)
+    kernel_bytes = C.workspace_bytes(B * T, N, H, run.segment_chunks)
     nbytes = kernel_bytes + (_host_cu_seqlens_bytes(N) if cu_on_host else 0)
     if workspace is None:
         workspace = _cached_workspace(q.device, nbytes)
@@ -257,19 +300,23 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
         device_cu = workspace[kernel_bytes : kernel_bytes + 8 * (N + 1)].view(torch.int64)
         device_cu.copy_(cu_seqlens.to(torch.int64), non_blocking=True)
         cu_seqlens = device_cu
-    state = initial_state if initial_state is not None else final_state
-    state_is_fp32 = state is not None and state.dtype == torch.float32
 
     def ptr(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.data_ptr()
 
+    # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens (a host
+    # cu_seqlens was validated above, so its copy needs no device check).
+    status = _status_word(q.device) if cu_seqlens is not None and not cu_on_host else None
     with torch.cuda.device(q.device):
         C.fwd(
-            ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(A_log), ptr(dt_bias), ptr(out),
-            ptr(initial_state), ptr(final_state), state_is_fp32,
+            ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(A_log), _PARAM_TYPES[A_log.dtype], ptr(dt_bias),
+            _PARAM_TYPES[dt_bias.dtype], ptr(out),
+            ptr(initial_state), initial_state is not None and initial_state.dtype == torch.float32,
+            ptr(final_state), final_state is not None and final_state.dtype == torch.float32,
             ptr(cu_seqlens), cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
             B, T, N, H, float(scale), float(lower_bound),
-            ptr(workspace), workspace.numel(), _forced_v_split, torch.cuda.current_stream(q.device).cuda_stream,
+            ptr(workspace), workspace.numel(), ptr(status), run.v_split, run.scan_v_split, run.segment_chunks,
+            torch.cuda.current_stream(q.device).cuda_stream,
         )  # fmt: skip
     return None
 
@@ -335,16 +382,66 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         )
 
 
+_STATUS_CLEAR = 1 << 62  # the error word when no malformed boundary was seen (the kernel lowers it atomically)
+_status_words: dict[int, torch.Tensor] = {}
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _status_word(device: torch.device) -> torch.Tensor:
+    """The device's error word (one int64, allocated once per device, never during graph capture)."""
+    index = _device_index(device)
+    with _workspaces_lock:
+        word = _status_words.get(index)
+        if word is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "flash_kda.fwd needs its per-device error word during CUDA graph capture but it does not exist "
+                    "yet; call flash_kda.fwd once or flash_kda.reserve_workspace(...) before capture"
+                )
+            word = torch.full((1,), _STATUS_CLEAR, dtype=torch.int64, device=torch.device("cuda", index))
+            _status_words[index] = word
+        return word
+
+
+def last_error(device: torch.device | str | int | None = None) -> str | None:
+    """The first malformed ``cu_seqlens`` a CUDA call on ``device`` met since the last query, or None.
+
+    ``fwd`` never reads a CUDA ``cu_seqlens`` on the host (that would synchronise); a small kernel checks its
+    boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and records the first bad
+    index in a per-device word. This query reads that word (a synchronisation), resets it and returns a message
+    naming ``cu_seqlens`` and the index; the outputs of the offending call are unspecified.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"last_error needs a CUDA device, got {device=}")
+    word = _status_words.get(_device_index(device))
+    if word is None:
+        return None
+    first_bad = int(word.item())
+    if first_bad >= _STATUS_CLEAR:
+        return None
+    word.fill_(_STATUS_CLEAR)
+    return (
+        f"flash_kda: a call on cuda:{_device_index(device)} got a malformed cu_seqlens: cu_seqlens[{first_bad}] is "
+        "its first bad boundary (cu_seqlens must start at 0, never decrease and end at the number of tokens); "
+        "the outputs of that call are unspecified"
+    )
+
+
 def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
     """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``).
 
-    Host-only: reads shapes and devices, never tensor contents. A CPU ``cu_seqlens`` with CUDA ``q`` adds room
-    for its device copy.
+    Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
+    a time split stores each segment's map), which depends on the device's SM count. A CPU ``cu_seqlens`` with
+    CUDA ``q`` adds room for its device copy.
     """
     B, T, H, _ = q.shape
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     extra = _host_cu_seqlens_bytes(N) if cu_seqlens is not None and _cu_seqlens_on_host(q, cu_seqlens) else 0
-    return int(_ext.load().workspace_bytes(B * T, N, H)) + extra
+    return int(_ext.load().workspace_bytes(B * T, N, H, plan(q, cu_seqlens).segment_chunks)) + extra
 
 
 def _cu_seqlens_on_host(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
@@ -404,4 +501,5 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
         raise ValueError(f"reserve_workspace needs a CUDA device, got {device=}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    _status_word(device)  # the error word too, so that capture allocates nothing
     return _cached_workspace(device, int(nbytes))

@@ -178,6 +178,62 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     return dict(kd=kd, qd=qd, kr=kr, inv=ar.operand(inv), mqk=ar.operand(mqk), decay=decay, beta=beta_act, v=vc)
 
 
+def _run_units(prep: dict, states: torch.Tensor, first_chunk: list, counts: list, ar: Arithmetic,
+               out_chunks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Runs every unit u from ``states[u]`` over chunks first_chunk[u] .. first_chunk[u] + counts[u] - 1, all
+    units in lockstep (kda_recurrence.cu's step); returns the end states [U, H, R, K].
+
+    A unit is a whole sequence, or one segment of the time split. ``states`` rows are independent: R = 128 state
+    rows, or 256 when the time split's transition rows (which see v = 0) sit above the state rows.
+    ``out_chunks`` receives the outputs when given (R must be 128 then)."""
+    states = states.clone()
+    device = states.device
+    offsets = torch.tensor(first_chunk, dtype=torch.int64, device=device)
+    n = len(counts)
+    for step in range(max(counts, default=0)):
+        active = [u for u in range(n) if counts[u] > step]
+        if len(active) == n:
+            units = slice(None)
+            chunk_ids = offsets + step
+        else:
+            units = torch.tensor(active, dtype=torch.int64, device=device)
+            chunk_ids = offsets[units] + step
+        s_a = states[units]
+        kd, kr, inv = prep["kd"][chunk_ids], prep["kr"][chunk_ids], prep["inv"][chunk_ids]
+        decay, beta_c = prep["decay"][chunk_ids], prep["beta"][chunk_ids]
+        v_t = prep["v"][chunk_ids].float().transpose(-1, -2)  # [U, H, V, 16]
+        if s_a.shape[-2] != v_t.shape[-2]:  # transition rows (v = 0) above the state rows
+            rows = s_a.shape[-2] - v_t.shape[-2]
+            v_t = torch.cat([v_t.new_zeros(*v_t.shape[:-2], rows, v_t.shape[-1]), v_t], dim=-2)
+
+        s_op = ar.operand(s_a)  # [U, H, R, K]
+        p_t = ar.matmul(s_op, kd.transpose(-1, -2), None)  # Pᵀ [U, H, R, 16]
+        w_t = beta_c[..., None, :] * (v_t - p_t)
+        u_t = ar.operand(ar.matmul(ar.operand(w_t), inv.transpose(-1, -2), None))
+        if out_chunks is not None:
+            qd, mqk = prep["qd"][chunk_ids], prep["mqk"][chunk_ids]
+            o_t = ar.matmul(s_op, qd.transpose(-1, -2), None)
+            o_t = ar.matmul(u_t, mqk.transpose(-1, -2), o_t)
+            out_chunks[chunk_ids] = o_t.transpose(-1, -2).to(torch.bfloat16)
+        states[units] = ar.matmul(u_t, kr, s_a * decay[..., None, :])
+    return states
+
+
+def _hi_lo(x: torch.Tensor, ar: Arithmetic) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = hi + lo as two tensor-core operands: hi = operand(x), lo = operand(x - hi) (the difference is exact)."""
+    hi = ar.operand(x)
+    return hi, ar.operand(x - hi.float())
+
+
+def _compose(state: torch.Tensor, m: torch.Tensor, q: torch.Tensor, ar: Arithmetic) -> torch.Tensor:
+    """S · M + Q in kda_segment_compose.cu's order: Q + S_hi·M_hi, then + S_hi·M_lo, then + S_lo·M_hi."""
+    s_hi, s_lo = _hi_lo(state, ar)
+    m_hi, m_lo = _hi_lo(m, ar)
+    d = ar.matmul(s_hi, m_hi, q)
+    d = ar.matmul(s_hi, m_lo, d)
+    return ar.matmul(s_lo, m_hi, d)
+
+
 def chunked_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,59 +247,115 @@ def chunked_forward(
     initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
     ar: Arithmetic,
+    segment_chunks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the chunked forward with arithmetic ``ar``; returns (out bf16 [B,T,H,V], final fp32 [N,H,V,K])."""
+    """Runs the chunked forward with arithmetic ``ar``; returns (out bf16 [B,T,H,V], final fp32 [N,H,V,K]).
+
+    ``segment_chunks`` = L > 0 re-enacts the CUDA path's time split (docs/KERNEL.md): every sequence is cut
+    into segments of L chunks; each segment but the last gets its affine map S_end = S_start·M + Q (M from
+    the identity with v = 0, Q from zero), the maps are composed in order into every segment's start state,
+    and every segment then runs from that state. Without it each sequence runs in one piece."""
     batch, seqlen, heads, _ = q.shape
     device = q.device
     layout = chunk_layout(cu_seqlens, batch, seqlen, device)
     n = layout.num_seqs
     if initial_state is not None:
-        state = initial_state.float().clone()
+        start = initial_state.float().clone()
     else:
-        state = torch.zeros(n, heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+        start = torch.zeros(n, heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     out_flat = torch.zeros(batch * seqlen, heads, HEAD_DIM, dtype=torch.bfloat16, device=device)
     num_chunks_total = layout.token_index.shape[0]
     if num_chunks_total == 0:
-        return out_flat.view(batch, seqlen, heads, HEAD_DIM), state
+        return out_flat.view(batch, seqlen, heads, HEAD_DIM), start
 
     prep = _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout, ar)
     out_chunks = torch.empty(num_chunks_total, heads, CHUNK, HEAD_DIM, dtype=torch.bfloat16, device=device)
-    offsets = torch.tensor(layout.chunk_offset, dtype=torch.int64, device=device)
-    counts = layout.num_chunks
-    for step in range(max(counts)):
-        active = [s for s in range(n) if counts[s] > step]
-        if len(active) == n:
-            seqs = slice(None)
-            chunk_ids = offsets + step
-        else:
-            seqs = torch.tensor(active, dtype=torch.int64, device=device)
-            chunk_ids = offsets[seqs] + step
-        s_a = state[seqs]
-        kd, qd, kr = prep["kd"][chunk_ids], prep["qd"][chunk_ids], prep["kr"][chunk_ids]
-        inv, mqk = prep["inv"][chunk_ids], prep["mqk"][chunk_ids]
-        decay, beta_c, v_c = prep["decay"][chunk_ids], prep["beta"][chunk_ids], prep["v"][chunk_ids]
-
-        s_op = ar.operand(s_a)  # [n, H, V, K]
-        p_t = ar.matmul(s_op, kd.transpose(-1, -2), None)  # Pᵀ [n, H, V, 16]
-        o_t = ar.matmul(s_op, qd.transpose(-1, -2), None)
-        w_t = beta_c[..., None, :] * (v_c.float().transpose(-1, -2) - p_t)
-        u_t = ar.operand(ar.matmul(ar.operand(w_t), inv.transpose(-1, -2), None))
-        o_t = ar.matmul(u_t, mqk.transpose(-1, -2), o_t)
-        out_chunks[chunk_ids] = o_t.transpose(-1, -2).to(torch.bfloat16)
-        s_a = ar.matmul(u_t, kr, s_a * decay[..., None, :])
-        state[seqs] = s_a
+    offsets, counts = layout.chunk_offset, layout.num_chunks
+    if segment_chunks <= 0:
+        state = _run_units(prep, start, offsets, counts, ar, out_chunks)
+    else:
+        state = _split_forward(prep, start, offsets, counts, segment_chunks, ar, out_chunks)
 
     rows = out_chunks.transpose(1, 2)  # [C, 16, H, V]
     out_flat[layout.token_index[layout.valid]] = rows[layout.valid]
     return out_flat.view(batch, seqlen, heads, HEAD_DIM), state
 
 
-def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None):
-    """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K])."""
+_BATCH_STATE_BYTES = 256 << 20  # fp32 state rows the twin's time split keeps in one batch of units
+
+
+def _run_batched(prep: dict, starts: list, first_chunk: list, counts: list, ar: Arithmetic,
+                 out_chunks: Optional[torch.Tensor] = None) -> list:
+    """``_run_units`` over any number of units, in batches that bound the memory (units are independent)."""
+    if not starts:
+        return []
+    per_unit = starts[0].numel() * 4
+    size = max(1, _BATCH_STATE_BYTES // per_unit)
+    ends = []
+    for b in range(0, len(starts), size):
+        batch = torch.stack(starts[b : b + size])
+        ends += list(_run_units(prep, batch, first_chunk[b : b + size], counts[b : b + size], ar, out_chunks))
+    return ends
+
+
+def _split_forward(prep: dict, start: torch.Tensor, offsets: list, counts: list, L: int, ar: Arithmetic,
+                   out_chunks: torch.Tensor) -> torch.Tensor:
+    """The time split of ``chunked_forward``: scan, compose, finish; returns the final states [N, H, V, K].
+
+    Segment indices are taken in blocks (as many as fit the memory budget across all sequences): the block's
+    scanned segments run from the identity (transition rows, v = 0) and from zero (state rows) in one batch, the
+    chains are composed through the block in order, and the block's segments finish from their start states."""
+    device = start.device
+    num_seqs, heads = start.shape[0], start.shape[1]
+    segments = [max(1, -(-c // L)) for c in counts]
+    eye = torch.eye(HEAD_DIM, dtype=torch.float32, device=device)
+    scan_start = torch.cat([eye.expand(heads, -1, -1), torch.zeros_like(eye).expand(heads, -1, -1)], dim=-2)
+    per_index = max(1, _BATCH_STATE_BYTES // (scan_start.numel() * 4 * num_seqs))  # segment indices per block
+    seg_start = {s: start[s] for s in range(num_seqs)}  # start state of each sequence's current segment
+    final = [None] * num_seqs
+    for j0 in range(0, max(segments), per_index):
+        block = range(j0, min(max(segments), j0 + per_index))
+        scanned = [(s, j) for j in block for s in range(num_seqs) if j < segments[s] - 1]
+        ends = _run_batched(prep, [scan_start] * len(scanned), [offsets[s] + j * L for s, j in scanned],
+                            [L] * len(scanned), ar)
+        maps = {key: end for key, end in zip(scanned, ends)}
+        starts_in_block = {}
+        for j in block:
+            seqs = [s for s in range(num_seqs) if j < segments[s]]
+            for s in seqs:
+                starts_in_block[(s, j)] = seg_start[s]
+            chained = [s for s in seqs if j < segments[s] - 1]
+            if chained:
+                # S_{j+1} = S_j·M_j + Q_j, every sequence's chain in lockstep
+                state = torch.stack([seg_start[s] for s in chained])
+                m = torch.stack([maps[(s, j)][:, :HEAD_DIM] for s in chained])
+                q = torch.stack([maps[(s, j)][:, HEAD_DIM:] for s in chained])
+                for s, nxt in zip(chained, _compose(state, m, q, ar)):
+                    seg_start[s] = nxt
+        units = [(s, j) for j in block for s in range(num_seqs) if j < segments[s]]
+        ends = _run_batched(prep, [starts_in_block[u] for u in units], [offsets[s] + j * L for s, j in units],
+                            [max(0, min(L, counts[s] - j * L)) for s, j in units], ar, out_chunks)
+        for (s, j), end in zip(units, ends):
+            if j == segments[s] - 1:
+                final[s] = end
+    return torch.stack(final)
+
+
+def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
+                 segment_chunks=None):
+    """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
+
+    ``segment_chunks``: the time split to re-enact; None takes the one ``flash_kda.fwd`` would run for these
+    inputs now (its plan, including a plan forced by ``flash_kda.testing.force_plan``)."""
     if q.device.type != "cuda":
         raise RuntimeError(f"twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
+    if segment_chunks is None:
+        from flash_kda import api  # noqa: PLC0415 -- api imports the extension; this module stays light
+
+        segment_chunks = api.plan(q, cu_seqlens).segment_chunks
     return chunked_forward(
-        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, kernel_arithmetic()
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, kernel_arithmetic(),
+        segment_chunks,
     )
 
 

@@ -1,0 +1,84 @@
+"""The cost model's measurements: every stage's time under forced plans (time split and V splits), per shape.
+
+    tools/bazel run //kda/bench:plan_sweep -- --cases=2,6,7,8 --segments=0,32,64,128,256 --v_splits=1,2,4,8
+
+Per case (bench_fwd's --cases / --case_names) and per plan in segments x v_splits x scan_v_splits, prints the
+mean CUDA time per call of each stage from torch.profiler (prepare, scan, compose, recurrence) and their sum,
+then the automatic plan's row and the best forced row. The constants of kda_plan.h's SplitCostModel come from
+these tables (docs/KERNEL.md). A program, not a test; our kernel only (no peers).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import torch
+from absl import app, flags
+
+import bench_fwd
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("segments", ["0", "32", "64", "128", "256"], "time splits to force (chunks per segment; 0: none)")
+flags.DEFINE_list("v_splits", ["1", "2", "4", "8"], "finishing-pass V splits to force")
+flags.DEFINE_list("scan_v_splits", ["1", "2", "4"], "scan-pass V splits to force (time-split plans only)")
+flags.DEFINE_integer("profile_iters", 5, "profiled calls per plan")
+
+STAGES = ("prepare", "scan", "compose", "recurrence")
+
+
+def stage_times(call, iters: int) -> dict[str, float]:
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    per_stage: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            lowered = event.name.lower()
+            stage = next((s for s in STAGES if s in lowered), "other")
+            per_stage[stage] += event.time_range.elapsed_us() / 1e3 / iters
+    return dict(per_stage)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not torch.cuda.is_available():
+        raise app.UsageError("plan_sweep needs a visible sm_90 GPU (H100/H200)")
+    import flash_kda
+    from flash_kda import testing
+
+    segments = [int(x) for x in FLAGS.segments]
+    v_splits = [int(x) for x in FLAGS.v_splits]
+    scan_v_splits = [int(x) for x in FLAGS.scan_v_splits]
+    print("| case | plan (v, scan v, L) | prepare | scan | compose | recurrence | other | sum ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for case in bench_fwd.select_cases():
+        inp = bench_fwd.make_inputs(case, "cuda")
+        call, _ = bench_fwd.run_flash_kda(inp, case.state, bench_fwd.HEAD_DIM**-0.5, -5.0)
+        rows = []
+        plans = [("auto", None)]
+        for L, v in itertools.product(segments, v_splits):
+            for sv in scan_v_splits if L else [0]:
+                plans.append((f"forced", (v, L, sv)))
+        for label, forced in plans:
+            kwargs = {} if forced is None else {"v_split": forced[0], "segment_chunks": forced[1],
+                                                "scan_v_split": forced[2]}
+            with testing.force_plan(**kwargs):
+                plan = flash_kda.plan(inp["q"], inp["cu_seqlens"])
+                t = stage_times(call, FLAGS.profile_iters)
+            total = sum(t.values())
+            rows.append((total, label, plan))
+            cells = " | ".join(f"{t.get(s, 0.0):.3f}" for s in (*STAGES, "other"))
+            print(f"| {case.name} | {label} {tuple(plan)} | {cells} | {total:.3f} |", flush=True)
+        best = min(r for r in rows if r[1] == "forced")
+        auto = next(r for r in rows if r[1] == "auto")
+        print(f"| {case.name} | **auto {tuple(auto[2])} {auto[0]:.3f} ms; best {tuple(best[2])} {best[0]:.3f} ms** "
+              "| | | | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
