@@ -38,9 +38,9 @@ def _inputs(state: bool, varlen: bool) -> dict:
     return x
 
 
-def _per_call_us(fn, x: dict) -> float:
+def _per_call_us(fn, x: dict, *extra) -> float:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
-            x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"])
+            x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"], *extra)
     for _ in range(50):
         fn(*args)
     torch.cuda.synchronize()
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     for state, varlen in ((False, False), (True, False), (True, True)):
         x = _inputs(state, varlen)
         direct = _per_call_us(flash_kda.fwd, x)
-        op = _per_call_us(torch.ops.flash_kda.fwd, x)
+        op = _per_call_us(torch.ops.flash_kda.fwd, x, None)  # the operator takes all 14 arguments (workspace)
         label = ("bf16 state in+out" if state else "no state") + (", cu_seqlens" if varlen else "")
         print(f"| {label} | {direct:.1f} | {op:.1f} |", flush=True)
 

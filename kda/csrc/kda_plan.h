@@ -69,38 +69,55 @@ inline Plan plan_with_segments(int64_t chunks, int64_t seqs, int heads, int sm_c
   return Plan{choose_v_split(seqs * segments, heads, sm_count), scan_split, segment_chunks};
 }
 
+// The segment length (chunks) the cost model prefers when `seqs` sequences of `chunks` chunks run on `heads`
+// heads, or 0 when no split gains clearly.
+inline int best_segment_chunks(int64_t chunks, int64_t seqs, int heads, int sm_count) {
+  if (heads <= 0 || chunks <= 0) return 0;
+  using M = SplitCostModel;
+  const double rows = static_cast<double>(seqs) * heads * (kHeadDim / 16);  // warps of one pass over all rows
+  double best = 0.9 * M::pass(static_cast<double>(chunks), rows, sm_count);  // split only for a clear gain
+  int best_L = 0;
+  for (const int L : kSegmentChoices) {
+    const int64_t segments = (chunks + L - 1) / L;
+    if (segments < 2) break;
+    const double scanned = static_cast<double>(segments - 1);
+    const double cost = M::kScanFactor * M::pass(L, 2.0 * rows * scanned, sm_count) + M::kCompose * scanned +
+                        M::pass(L, rows * static_cast<double>(segments), sm_count) + M::kOverhead;
+    if (cost < best) {
+      best = cost;
+      best_L = L;
+    }
+  }
+  return best_L;
+}
+
+// A varlen batch's longest sequence is unknown on the host (reading cu_seqlens would synchronise). Whether to
+// split is decided for a longest sequence of kVarlenSkew times the mean length (at most every token): assuming
+// one sequence holds every token would split batches of many short sequences, which then pay the split's extra
+// launches for nothing (varlen 64x128 H32: +0.17 ms on the H200). When that says split, the segment length is
+// chosen for the worst case (one sequence holds every token), so that a skewed batch — one 131072-token
+// sequence among 64 of 128 tokens — gets the segments of its long sequence; short sequences cost the split
+// almost nothing on the device (each stays one segment, which nobody scans).
+constexpr int64_t kVarlenSkew = 8;
+
 // The plan for a call; `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it.
-// For varlen batches the longest sequence is unknown on the host; the plan assumes the worst case (one
-// sequence holds every token): splitting costs short sequences almost nothing (they stay one segment, which
-// nobody scans), while an unsplit long sequence would run alone for its whole length.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
                         int forced_segment_chunks = -1) {
-  const int64_t chunks = ((varlen ? total_tokens : seqlen) + kChunk - 1) / kChunk;  // the longest sequence
-  const int64_t seqs = varlen ? 1 : num_seqs;  // sequences of that length
+  const int64_t total_chunks = (total_tokens + kChunk - 1) / kChunk;
+  const int64_t mean_chunks = num_seqs > 0 ? (total_chunks + num_seqs - 1) / num_seqs : total_chunks;
+  // The longest sequence and how many sequences are that long.
+  const int64_t chunks = varlen ? total_chunks : (seqlen + kChunk - 1) / kChunk;
+  const int64_t seqs = varlen ? 1 : num_seqs;
   if (forced_segment_chunks >= 0) {
     Plan plan = plan_with_segments(chunks, varlen ? num_seqs : seqs, heads, sm_count, forced_segment_chunks);
     plan.segment_chunks = forced_segment_chunks;
     return plan;
   }
-  Plan plan = plan_with_segments(chunks, num_seqs, heads, sm_count, 0);
-  if (heads <= 0 || chunks <= 0) return plan;
-  using M = SplitCostModel;
-  const double rows = static_cast<double>(seqs) * heads * (kHeadDim / 16);  // warps of one pass over all rows
-  const double unsplit = M::pass(static_cast<double>(chunks), rows, sm_count);
-  double best = 0.9 * unsplit;  // split only for a clear gain
-  for (const int L : kSegmentChoices) {
-    const int64_t segments = (chunks + L - 1) / L;
-    if (segments < 2) break;
-    const double scanned = static_cast<double>(segments - 1);
-    const double cost = M::kScanFactor * M::pass(L, 2.0 * rows * scanned, sm_count) +
-                        M::kCompose * scanned + M::pass(L, rows * static_cast<double>(segments), sm_count) +
-                        M::kOverhead;
-    if (cost < best) {
-      best = cost;
-      plan = plan_with_segments(chunks, seqs, heads, sm_count, L);
-    }
+  const int64_t likely_chunks = varlen ? std::min(total_chunks, kVarlenSkew * mean_chunks) : chunks;
+  if (best_segment_chunks(likely_chunks, seqs, heads, sm_count) == 0) {
+    return plan_with_segments(chunks, num_seqs, heads, sm_count, 0);
   }
-  return plan;
+  return plan_with_segments(chunks, seqs, heads, sm_count, best_segment_chunks(chunks, seqs, heads, sm_count));
 }
 
 // Multiprocessor count of the current device, cached per device (a driver query, no synchronisation).

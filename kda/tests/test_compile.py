@@ -77,7 +77,7 @@ def test_operator_equals_fwd_cpu():
     fin_a, fin_b = torch.empty_like(x["initial_state"]), torch.empty_like(x["initial_state"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
     flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_a)
-    torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_b)
+    torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_b, None, None)
     assert torch.equal(out_a, out_b) and torch.equal(fin_a, fin_b)
 
 
@@ -87,7 +87,8 @@ def _fake_cuda_call(**changes):
         args = dict(q=q, k=torch.empty_like(q), v=torch.empty_like(q), g=torch.empty_like(q),
                     beta=torch.empty(1, 32, 4, dtype=torch.bfloat16, device="cuda"), scale=0.1,
                     out=torch.empty_like(q), A_log=torch.empty(4, device="cuda"),
-                    dt_bias=torch.empty(4, D, device="cuda"), lower_bound=-5.0)  # fmt: skip
+                    dt_bias=torch.empty(4, D, device="cuda"), lower_bound=-5.0, initial_state=None,
+                    final_state=None, cu_seqlens=None, workspace=None)  # fmt: skip
         args.update({name: make(q) if callable(make) else make for name, make in changes.items()})
         torch.ops.flash_kda.fwd(**args)
 

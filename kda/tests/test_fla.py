@@ -1,4 +1,4 @@
-"""fla's chunk_kda reaches flash_kda.fwd (GPU; fla 0.6.0 from the pinned wheels, @fla//:fla).
+"""fla's chunk_kda reaches flash_kda.fwd (GPU; fla 0.6.0 from the pinned wheels, @fla_wheels//:fla).
 
 fla 0.6 dispatches `chunk_kda` to an importable package named `flash_kda` under `torch.inference_mode()` when it
 is called with the SPEC §3 flags, unless `FLA_FLASH_KDA=0`. Each test counts the calls that reach

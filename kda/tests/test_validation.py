@@ -440,7 +440,8 @@ def test_force_plan_restores():
 
 # (total tokens, T, N, H, varlen): the grid cases of bench_fwd
 _FULL_GPU = [(8192, 8192, 1, 96, False), (8192, 8192, 1, 64, False), (8192, 1024, 8, 32, False),
-             (16384, 512, 32, 32, False), (8192, 8192, 6, 96, True), (8192, 8192, 8, 96, True)]
+             (16384, 512, 32, 32, False), (8192, 8192, 6, 96, True), (8192, 8192, 8, 96, True),
+             (8192, 8192, 64, 32, True)]  # the last: many short sequences (the split would only add launches)
 _FEW_HEADS = [(131072, 131072, 1, 1, False), (1 << 20, 1 << 20, 1, 1, False), (32768, 32768, 1, 8, False),
               (8192, 8192, 1, 16, False), (139264, 139264, 65, 4, True)]
 
@@ -466,6 +467,16 @@ def test_plan_splits_long_sequences_on_few_heads(shape):
     chunks = -(-(total if varlen else T) // 16)
     assert plan.segment_chunks > 0 and chunks // plan.segment_chunks >= 2
     assert plan.v_split in (1, 2, 4, 8) and plan.scan_v_split in (1, 2, 4, 8)
+
+
+def test_skewed_varlen_gets_the_segments_of_its_long_sequence():
+    """One 131072-token sequence among 64 of 128 tokens (issue 7's case): the mean is long enough to split, and
+    the segment length is the one the long sequence would get alone."""
+    from flash_kda import testing
+
+    skewed = testing.default_plan(139264, 139264, 65, 4, True, 132)
+    alone = testing.default_plan(139264, 139264, 1, 4, True, 132)
+    assert skewed.segment_chunks == alone.segment_chunks > 0
 
 
 def test_forced_time_split_picks_its_own_v_splits():

@@ -1,6 +1,6 @@
 """fla_repository: fla 0.6.0 and einops from the pinned pure-Python wheels of tools/cuda/private/pins.bzl.
 
-The generated repository has one py_library, `@fla//:fla` (imports = ["."]), holding the unpacked wheels. It
+The generated repository has one py_library, `@fla_wheels//:fla` (imports = ["."]), holding the unpacked wheels. It
 brings no torch or triton: tests that use it run on the interpreter of @kda_python, which must have them (the
 GPU machine's does; fla's kernels need a GPU anyway).
 """
@@ -32,5 +32,5 @@ def _impl(rctx):
 fla_repository = repository_rule(
     implementation = _impl,
     environ = ARTIFACT_ENV,
-    doc = "fla 0.6.0 (+ einops) from pinned wheels, as @fla//:fla.",
+    doc = "fla 0.6.0 (+ einops) from pinned wheels, as @fla_wheels//:fla.",
 )

@@ -50,6 +50,11 @@ def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
     B, T, H, _ = q.shape
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     sm_count = _sm_count(q.device) if q.device.type == "cuda" else _DEFAULT_SM_COUNT
+    key = (B, T, H, N, cu_seqlens is not None, sm_count, _forced_v_split, _forced_scan_v_split,
+           _forced_segment_chunks)
+    cached = _plans.get(key)  # a dict hit instead of an extension call on every fwd (host time per call)
+    if cached is not None:
+        return cached
     forced_segments = -1 if _forced_segment_chunks is None else _forced_segment_chunks
     v_split, scan_v_split, segment_chunks = _ext.load().choose_plan(B * T, T, N, H, cu_seqlens is not None, sm_count,
                                                                     forced_segments)
@@ -57,7 +62,15 @@ def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
         v_split = scan_v_split = _forced_v_split
     if _forced_scan_v_split:
         scan_v_split = _forced_scan_v_split
-    return Plan(int(v_split), int(scan_v_split), int(segment_chunks))
+    result = Plan(int(v_split), int(scan_v_split), int(segment_chunks))
+    if len(_plans) >= _PLAN_CACHE_SIZE:
+        _plans.clear()
+    _plans[key] = result
+    return result
+
+
+_plans: dict[tuple, Plan] = {}
+_PLAN_CACHE_SIZE = 4096  # distinct shapes remembered (cleared when full)
 
 
 _sm_counts: dict[int, int] = {}

@@ -8,7 +8,7 @@ produces nothing, so a bad call fails at trace time with the same message as in 
 operator runs ``fwd``'s eager body: the same validation, kernel or CPU path, workspace and stream.
 
 Direct calls of ``flash_kda.fwd`` do not go through the dispatcher (it costs host time per call); call
-``torch.ops.flash_kda.fwd`` yourself only where a tracer needs an operator.
+``torch.ops.flash_kda.fwd`` yourself only where a tracer needs an operator, with all 14 arguments.
 """
 
 from __future__ import annotations
@@ -34,18 +34,22 @@ def fwd_op(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     lower_bound: float,
-    initial_state: Optional[torch.Tensor] = None,
-    final_state: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    workspace: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor],
+    final_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    workspace: Optional[torch.Tensor],
 ) -> None:
-    """The KDA forward of ``flash_kda.fwd`` (same arguments, positional ``workspace`` last)."""
+    """The KDA forward of ``flash_kda.fwd``: the same arguments, all 14 given (pass None for absent ones).
+
+    No argument has a default: the dispatcher drops trailing arguments equal to their defaults, and the
+    version bump of a dropped mutated argument (final_state, workspace) then fails inside PyTorch's custom-op
+    machinery (seen with torch 2.11 on the H200)."""
     api._fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                    cu_seqlens, workspace)
 
 
 @fwd_op.register_fake
-def _fwd_fake(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-              cu_seqlens=None, workspace=None) -> None:
+def _fwd_fake(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+              workspace) -> None:
     api._validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
                   workspace, concrete=False)
