@@ -1,7 +1,8 @@
-// KDA forward, stage 2 of 2: the recurrence over the chunks of each sequence.
+// KDA forward: the recurrence over the chunks of each sequence (or of each time segment), and the time split's
+// scan pass, which runs the same step without outputs (kda_fwd.cu shows the order of the kernels).
 //
-// Grid (sequence, head, V part): each CTA owns 128 / v_split state rows of one (sequence, head); warp w of it
-// owns 16 rows v for the whole sequence, kept in fp32 mma accumulators laid out as S[v, k] (rows v, columns
+// Grid (sequence or segment, head, V part): each CTA owns 128 / v_split state rows of one (sequence, head);
+// warp w of it owns 16 rows v for its whole chunk range, kept in fp32 mma accumulators laid out as S[v, k] (rows v, columns
 // k). The rows of S evolve independently, so warps and CTAs never exchange data and the V split changes no
 // bit. Per chunk (SPEC §2, transposed so that v is the mma row dimension):
 //   Pᵀ  = bf16(S) · Kdᵀ               (16 x 16, K = 128)
