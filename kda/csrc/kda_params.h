@@ -198,7 +198,8 @@ KDA_HOST_DEVICE inline WindowItem* window_table(const FwdParams& p) {
                                        records_bytes(p.total_tokens, p.num_seqs, p.heads));
 }
 KDA_HOST_DEVICE inline uint8_t* window_data(const FwdParams& p, int64_t window, int head) {
-  return reinterpret_cast<uint8_t*>(window_table(p)) + window_table_bytes(p.total_tokens, p.num_seqs, p.segment_chunks) +
+  return reinterpret_cast<uint8_t*>(window_table(p)) +
+         window_table_bytes(p.total_tokens, p.num_seqs, p.segment_chunks) +
          (static_cast<size_t>(window) * p.heads + head) * static_cast<size_t>(WindowLayout::kBytes);
 }
 

@@ -2,8 +2,8 @@
 // scan pass, which runs the same step without outputs (kda_fwd.cu shows the order of the kernels).
 //
 // Grid (sequence or segment, head, V part): each CTA owns 128 / v_split state rows of one (sequence, head);
-// warp w of it owns 16 rows v for its whole chunk range, kept in fp32 mma accumulators laid out as S[v, k] (rows v, columns
-// k). The rows of S evolve independently, so warps and CTAs never exchange data and the V split changes no
+// warp w of it owns 16 rows v for its whole chunk range, kept in fp32 mma accumulators laid out as S[v, k]
+// (rows v, columns k). The rows of S evolve independently, so warps and CTAs never exchange data and the V split changes no
 // bit. Per chunk (SPEC §2, transposed so that v is the mma row dimension):
 //   Pᵀ  = bf16(S) · Kdᵀ               (16 x 16, K = 128)
 //   Oᵀ  = bf16(S) · Qdᵀ
@@ -363,9 +363,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
   }
 }
 
-// The scan pass of the time split: one CTA per (scanned segment, head, map part). The segment is run twice over the same records: from zero with the values (its end state Q) and from the identity
-// without them (the transition map M, as rows: row i is e_i carried through the segment). Both go to the
-// window's storage: Q in fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
+// The scan pass of the time split: one CTA per (scanned segment, head, map part). The segment runs twice over
+// the same records: from zero with the values (its end state Q) and from the identity without them (the
+// transition map M, as rows: row i is e_i carried through the segment). Both go to the window's storage: Q in
+// fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
 template <int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;

@@ -15,8 +15,8 @@ from flash_kda.api import Plan, check_cu_seqlens, fwd, last_error, plan, reserve
 
 __version__ = "0.1.0"
 __all__ = [
-    "fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "Plan", "device_info", "build_info",
-    "__version__",
+    "fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "Plan", "device_info",
+    "build_info", "__version__",
 ]
 
 _SUBMODULES = ("reference", "numerics", "compare", "api", "ops", "testing", "_ext")

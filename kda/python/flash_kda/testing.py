@@ -30,9 +30,9 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
 
     | arg | type | meaning |
     |---|---|---|
-    | v_split | int | 1, 2, 4 or 8 (each recurrence CTA owns 128 / v_split state rows; the scan's too unless scan_v_split is given); 0 keeps the automatic choice |
+    | v_split | int | 1, 2, 4 or 8: each recurrence CTA owns 128 / v_split state rows (0: automatic) |
     | segment_chunks | int / None | time split into segments of this many 16-token chunks; 0: no split; None: automatic |
-    | scan_v_split | int | 1, 2, 4 or 8 CTAs per map in the time split's scan; 0: as above |
+    | scan_v_split | int | 1, 2, 4 or 8 CTAs per map in the time split's scan; 0: v_split if forced, else automatic |
     """
     for name, value in (("v_split", v_split), ("scan_v_split", scan_v_split)):
         if isinstance(value, bool) or not isinstance(value, int) or value not in (0, *V_SPLITS):
