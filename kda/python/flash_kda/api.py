@@ -178,9 +178,11 @@ def _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial
         if name not in given:
             raise TypeError(f"{name} is required, got {name}=None")
 
+    device = q.device  # read once: each .device read builds a new torch.device (host time per call)
+    on_cuda = device.type == "cuda"
     # --- arch: the kernel is sm_90a machine code; anything else would fail at launch with a vaguer error.
-    if concrete and q.device.type == "cuda":
-        _check_arch(q.device)
+    if concrete and on_cuda:
+        _check_arch(device)
 
     # --- dtype
     for name in ("q", "k", "v", "g", "beta", "out"):
@@ -197,17 +199,17 @@ def _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial
 
     # --- device: one device for everything, except that cu_seqlens may also be on the CPU with CUDA tensors
     # (then it is validated on the host, where that costs no synchronisation, and copied to the device).
-    if q.device.type not in ("cuda", "cpu"):
+    if not on_cuda and device.type != "cpu":
         raise ValueError(f"tensors must be on a CUDA or CPU device, got {q.device=}")
     for name, t in given.items():
         if name == "cu_seqlens" and _cu_seqlens_on_host(q, t):
             continue
-        if t.device != q.device:
-            raise ValueError(f"all tensors must be on one device, got q.device={q.device} but {name}.device={t.device}")
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got q.device={device} but {name}.device={t.device}")
     if workspace is not None:
         if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8:
             raise TypeError(f"workspace must be a uint8 tensor, got {getattr(workspace, 'dtype', type(workspace))=}")
-        if workspace.device != q.device:
+        if workspace.device != device:
             raise ValueError(f"workspace must be on q's device, got {workspace.device=} {q.device=}")
 
     # --- layout: the kernel indexes the SPEC layouts with implicit strides.
@@ -216,7 +218,7 @@ def _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial
             raise ValueError(f"{name} must be contiguous, got {name}.stride()={t.stride()} for shape {tuple(t.shape)}")
     if workspace is not None and not workspace.is_contiguous():
         raise ValueError(f"workspace must be contiguous, got {workspace.stride()=}")
-    if concrete and q.device.type == "cuda":
+    if concrete and on_cuda:
         # The kernels move rows with 16-byte vector loads and bulk copies; fresh allocations always qualify,
         # a view that starts mid-row may not.
         aligned = {**given, "workspace": workspace} if workspace is not None else given
@@ -243,7 +245,7 @@ def _validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial
         "A_log": (H,),
     }  # fmt: skip
     for name, shape in expected_shapes.items():
-        if tuple(tensors[name].shape) != shape:
+        if tensors[name].shape != shape:  # torch.Size is a tuple
             raise ValueError(f"{name} must have shape {list(shape)} (from {q.shape=}), got {name}.shape={tuple(tensors[name].shape)}")
     if tuple(dt_bias.shape) not in ((H, K), (H * K,)):
         raise ValueError(f"dt_bias must have shape [{H}, {K}] (or flat [{H * K}]), got {dt_bias.shape=}")
