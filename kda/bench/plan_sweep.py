@@ -10,39 +10,19 @@ these tables (docs/KERNEL.md). A program, not a test; our kernel only (no peers)
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 import torch
 from absl import app, flags
 
 import bench_fwd
+from stages import STAGES, stage_times
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("segments", ["0", "32", "64", "128", "256"], "time splits to force (chunks per segment; 0: none)")
 flags.DEFINE_list("v_splits", ["1", "2", "4", "8"], "finishing-pass V splits to force")
 flags.DEFINE_list("scan_v_splits", ["1", "2", "4"], "scan-pass V splits to force (time-split plans only)")
 flags.DEFINE_integer("profile_iters", 5, "profiled calls per plan")
-
-STAGES = ("prepare", "scan", "compose", "recurrence")
-
-
-def stage_times(call, iters: int) -> dict[str, float]:
-    for _ in range(2):
-        call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    per_stage: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            lowered = event.name.lower()
-            stage = next((s for s in STAGES if s in lowered), "other")
-            per_stage[stage] += event.time_range.elapsed_us() / 1e3 / iters
-    return dict(per_stage)
-
 
 def main(argv: list[str]) -> None:
     del argv
@@ -63,7 +43,7 @@ def main(argv: list[str]) -> None:
         plans = [("auto", None)]
         for L, v in itertools.product(segments, v_splits):
             for sv in scan_v_splits if L else [0]:
-                plans.append((f"forced", (v, L, sv)))
+                plans.append(("forced", (v, L, sv)))
         for label, forced in plans:
             kwargs = {} if forced is None else {"v_split": forced[0], "segment_chunks": forced[1],
                                                 "scan_v_split": forced[2]}

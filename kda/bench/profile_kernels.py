@@ -1,4 +1,4 @@
-"""Where the forward's time goes: per-kernel CUDA time (prepare vs recurrence) from torch.profiler.
+"""Where the forward's time goes: per-stage CUDA time (prepare, scan, compose, recurrence) from torch.profiler.
 
     tools/bazel run //kda/bench:profile_kernels -- --cases=0,3,7,11 --iters=5
 
@@ -13,15 +13,13 @@ and for measuring the plan's cost model, not a test.
 
 from __future__ import annotations
 
-import collections
-
 import torch
 from absl import app, flags
 
 import bench_fwd
+from stages import STAGES, stage_times
 
 FLAGS = flags.FLAGS
-STAGES = ("prepare", "scan", "compose", "recurrence")  # kernel name fragments, in the order they run
 
 
 def profile_case(case: bench_fwd.Case, iters: int) -> tuple[dict[str, float], object]:
@@ -30,21 +28,7 @@ def profile_case(case: bench_fwd.Case, iters: int) -> tuple[dict[str, float], ob
 
     inp = bench_fwd.make_inputs(case, "cuda")
     call, _ = bench_fwd.run_flash_kda(inp, case.state, bench_fwd.HEAD_DIM**-0.5, -5.0)
-    for _ in range(2):
-        call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            # every kernel whose name says prepare / recurrence counts there (several launches of either add up)
-            lowered = event.name.lower()
-            name = next((stage for stage in STAGES if stage in lowered), "other")
-            per_kernel[name] += event.time_range.elapsed_us() / 1e3 / iters  # µs -> ms per call
-    return dict(per_kernel), flash_kda.plan(inp["q"], inp["cu_seqlens"])
+    return stage_times(call, iters), flash_kda.plan(inp["q"], inp["cu_seqlens"])
 
 
 def main(argv: list[str]) -> None:

@@ -37,6 +37,35 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 __device__ __forceinline__ float bf16_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// The low part of the hi/lo split of two floats whose bf16 pair `hi` = pack_bf16x2(x0, x1) is given, packed:
+// bf16(x - float(bf16(x))) (the difference is exact in fp32). x = hi + lo to about 2^-16 relative.
+__device__ __forceinline__ uint32_t pack_lo_bf16x2(float x0, float x1, uint32_t hi) {
+  const __nv_bfloat162 h2 = *reinterpret_cast<const __nv_bfloat162*>(&hi);
+  return pack_bf16x2(__fsub_rn(x0, __low2float(h2)), __fsub_rn(x1, __high2float(h2)));
+}
+
+// Two adjacent elements of a row-major state (fp32 or bf16) in memory, widened to fp32 / stored from fp32.
+template <typename T>
+__device__ __forceinline__ void load_pair(const T* src, float& a, float& b);
+template <>
+__device__ __forceinline__ void load_pair<float>(const float* src, float& a, float& b) {
+  const float2 x = *reinterpret_cast<const float2*>(src);
+  a = x.x;
+  b = x.y;
+}
+template <>
+__device__ __forceinline__ void load_pair<__nv_bfloat16>(const __nv_bfloat16* src, float& a, float& b) {
+  const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(src);
+  a = __low2float(x);
+  b = __high2float(x);
+}
+__device__ __forceinline__ void store_pair(float* dst, float a, float b) {
+  *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+}
+
 // D = C + A·B for one m16n8k16 tile: bf16 operands, fp32 accumulators, fragments as the PTX ISA lays them
 // out (g = lane / 4, t = lane % 4):
 //   a[0]: (row g,   cols 2t..2t+1)  a[1]: (row g+8, cols 2t..2t+1)

@@ -47,28 +47,6 @@ struct RecurrenceSmem {
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
 };
 
-template <typename StateT>
-__device__ __forceinline__ void load_state_pair(const StateT* src, float& a, float& b);
-template <>
-__device__ __forceinline__ void load_state_pair<float>(const float* src, float& a, float& b) {
-  const float2 x = *reinterpret_cast<const float2*>(src);
-  a = x.x;
-  b = x.y;
-}
-template <>
-__device__ __forceinline__ void load_state_pair<__nv_bfloat16>(const __nv_bfloat16* src, float& a, float& b) {
-  const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(src);
-  a = __low2float(x);
-  b = __high2float(x);
-}
-
-__device__ __forceinline__ void store_state_pair(float* dst, float a, float b) {
-  *reinterpret_cast<float2*>(dst) = make_float2(a, b);
-}
-__device__ __forceinline__ void store_state_pair(__nv_bfloat16* dst, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-}
-
 // Warp 0 brings chunk `slot`'s workspace record into `stage` with one bulk copy that completes on `full`.
 __device__ __forceinline__ void fill_record(uint8_t* stage, uint64_t* full, const FwdParams& p, int64_t slot, int h,
                                             int lane) {
@@ -103,7 +81,7 @@ __device__ __forceinline__ void load_rows(StateRows& s, const T* state, int v_ba
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = v_base + gi + 8 * half;
-      load_state_pair<T>(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+      load_pair<T>(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
     }
   }
 }
@@ -114,7 +92,7 @@ __device__ __forceinline__ void store_rows(T* state, const StateRows& s, int v_b
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = v_base + gi + 8 * half;
-      store_state_pair(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+      store_pair(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
     }
   }
 }
@@ -417,10 +395,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
       for (int half = 0; half < 2; ++half) {
         const float x0 = s[nt][2 * half], x1 = s[nt][2 * half + 1];
         const uint32_t packed = pack_bf16x2(x0, x1);
-        const __nv_bfloat162 h2 = *reinterpret_cast<const __nv_bfloat162*>(&packed);
         bh[half] = movmatrix_trans(packed);
-        bl[half] = movmatrix_trans(
-            pack_bf16x2(__fsub_rn(x0, __low2float(h2)), __fsub_rn(x1, __high2float(h2))));
+        bl[half] = movmatrix_trans(pack_lo_bf16x2(x0, x1, packed));
       }
       const int index = (nt * (kHeadDim / 16) + ks) * 32 + lane;
       hi[index] = make_uint2(bh[0], bh[1]);

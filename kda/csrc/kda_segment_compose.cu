@@ -26,28 +26,6 @@ constexpr int kKSteps = kHeadDim / 16;
 static_assert(kComposeWarps == kKSteps, "warp c's columns are k-step c of the next product");
 constexpr int kPrefetchLinks = 4;  // links whose operands are on their way into L2
 
-template <typename T>
-__device__ __forceinline__ void load_pair(const T* src, float& a, float& b);
-template <>
-__device__ __forceinline__ void load_pair<float>(const float* src, float& a, float& b) {
-  const float2 x = *reinterpret_cast<const float2*>(src);
-  a = x.x;
-  b = x.y;
-}
-template <>
-__device__ __forceinline__ void load_pair<__nv_bfloat16>(const __nv_bfloat16* src, float& a, float& b) {
-  const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(src);
-  a = __low2float(x);
-  b = __high2float(x);
-}
-
-// The low part of the hi/lo split of two floats, packed: bf16(x - float(bf16(x))) (the difference is exact).
-__device__ __forceinline__ uint32_t pack_lo_bf16x2(float x0, float x1) {
-  const uint32_t hi = pack_bf16x2(x0, x1);
-  const __nv_bfloat162 h2 = *reinterpret_cast<const __nv_bfloat162*>(&hi);
-  return pack_bf16x2(__fsub_rn(x0, __low2float(h2)), __fsub_rn(x1, __high2float(h2)));
-}
-
 // acc[q][i]: S[r0 + g + 8*(i/2)][16c + 8q + 2t + i%2] of this warp's 16 rows and 16 columns.
 using Block = float[kTilesPerWarp][4];
 
@@ -148,10 +126,11 @@ __global__ void __launch_bounds__(kComposeWarps * 32) kda_segment_compose_kernel
   // into `nxt`.
   auto link = [&](int64_t j, const LinkOperands& cur, LinkOperands& nxt, uint4 (&buf)[kKSteps][2][32]) {
     // This warp's 16 columns are k-step c of the product, in acc_to_a_frag's layout (n-tile 0, then 1).
+    auto lo = [](float x0, float x1) { return pack_lo_bf16x2(x0, x1, pack_bf16x2(x0, x1)); };
     buf[c][0][lane] = make_uint4(pack_bf16x2(acc[0][0], acc[0][1]), pack_bf16x2(acc[0][2], acc[0][3]),
                                  pack_bf16x2(acc[1][0], acc[1][1]), pack_bf16x2(acc[1][2], acc[1][3]));
-    buf[c][1][lane] = make_uint4(pack_lo_bf16x2(acc[0][0], acc[0][1]), pack_lo_bf16x2(acc[0][2], acc[0][3]),
-                                 pack_lo_bf16x2(acc[1][0], acc[1][1]), pack_lo_bf16x2(acc[1][2], acc[1][3]));
+    buf[c][1][lane] = make_uint4(lo(acc[0][0], acc[0][1]), lo(acc[0][2], acc[0][3]), lo(acc[1][0], acc[1][1]),
+                                 lo(acc[1][2], acc[1][3]));
     if (j + 1 < links) load_link(nxt, data_of(j + 1), r0, c, g, t, lane);
     prefetch(j + kPrefetchLinks);
 #pragma unroll
