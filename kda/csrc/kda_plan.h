@@ -3,12 +3,9 @@
 // sequences (docs/KERNEL.md, "The plan").
 #pragma once
 
-#include <cuda_runtime_api.h>
-
 #include <algorithm>
 #include <cstdint>
 
-#include "kda/csrc/cuda_check.h"
 #include "kda/csrc/kda_params.h"
 
 namespace kda {
@@ -118,25 +115,6 @@ inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
     return plan_with_segments(chunks, num_seqs, heads, sm_count, 0);
   }
   return plan_with_segments(chunks, seqs, heads, sm_count, best_segment_chunks(chunks, seqs, heads, sm_count));
-}
-
-// Multiprocessor count of the current device, cached per device (a driver query, no synchronisation).
-inline int current_sm_count() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int device = 0;
-  KDA_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= kMaxDevices) {
-    int count = 0;
-    KDA_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    return count;
-  }
-  if (cached[device] == 0) {
-    int count = 0;
-    KDA_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    cached[device] = count;
-  }
-  return cached[device];
 }
 
 }  // namespace kda
