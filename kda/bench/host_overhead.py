@@ -5,7 +5,8 @@ torch.compile takes). A program, not a test:
 
 On a tiny problem (T = 16, H = 1: the GPU finishes each launch long before the host issues the next) the
 host's wall time per call is the cost of validation, dispatch and the two launches. Prints µs per call
-(median of 5 rounds) for both paths, with and without the state buffers and with cu_seqlens.
+(median of 5 rounds) for both paths, with and without the state buffers and with cu_seqlens, then where a
+direct call's time goes (each step of api._fwd_eager timed alone, next to the torch calls it avoids).
 """
 
 from __future__ import annotations
@@ -54,6 +55,57 @@ def _per_call_us(fn, x: dict, *extra) -> float:
     return statistics.median(rounds)
 
 
+def _loop_us(fn) -> float:
+    """Host µs per call of fn() (no GPU work, or GPU work far shorter than the host's)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(FLAGS.rounds):
+        t0 = time.perf_counter()
+        for _ in range(FLAGS.calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / FLAGS.calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def _enter_device(device: torch.device) -> None:
+    with torch.cuda.device(device):
+        pass
+
+
+def _breakdown(x: dict) -> None:
+    """Where a direct call's host time goes: each step of api._fwd_eager timed alone."""
+    from flash_kda import _ext, api
+
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
+            x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"], None)
+    q = x["q"]
+    index = q.device.index
+    C = _ext.load()
+    run = api.plan(q)
+    ws = api.reserve_workspace(api.workspace_bytes(q), q.device)
+    launch_args = (q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
+                   x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
+                   False, 1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), ws.data_ptr(),
+                   ws.numel(), 0, run.v_split, run.scan_v_split, run.segment_chunks, api._current_stream(index),
+                   index)  # fmt: skip
+    steps = {
+        "whole flash_kda.fwd": lambda: api.fwd(*args[:13]),
+        "api._validate": lambda: api._validate(*args, concrete=True),
+        "api.plan (cached)": lambda: api.plan(q),
+        "api._current_stream": lambda: api._current_stream(index),
+        "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
+        "with torch.cuda.device(q.device): pass": lambda: _enter_device(q.device),
+        "C.workspace_bytes": lambda: C.workspace_bytes(q.shape[1], 1, q.shape[2], run.segment_chunks),
+        "C.fwd (launches only)": lambda: C.fwd(*launch_args),
+    }
+    print("\n| step of a direct call (no state) | µs |\n|---|---:|")
+    for label, fn in steps.items():
+        print(f"| {label} | {_loop_us(fn):.1f} |", flush=True)
+
+
 def main(argv: list[str]) -> None:
     del argv
     if not torch.cuda.is_available():
@@ -70,6 +122,7 @@ def main(argv: list[str]) -> None:
         op = _per_call_us(torch.ops.flash_kda.fwd, x, None)  # the operator takes all 14 arguments (workspace)
         label = ("bf16 state in+out" if state else "no state") + (", cu_seqlens" if varlen else "")
         print(f"| {label} | {direct:.1f} | {op:.1f} |", flush=True)
+    _breakdown(_inputs(False, False))
 
 
 if __name__ == "__main__":

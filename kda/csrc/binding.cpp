@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/csrc/cuda_check.h"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/kda_plan.h"
@@ -23,6 +24,27 @@ T* ptr(std::uintptr_t address) {
 
 cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
+// Makes `device` the calling thread's current CUDA device for the launches and restores the previous one:
+// the work of a torch.cuda.device context, without its host time per call (two runtime calls when the
+// device is already current, as it usually is).
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    KDA_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) KDA_CUDA_CHECK(cudaSetDevice(device));
+    switched_ = previous_ != device;
+  }
+  ~CurrentDevice() {
+    if (switched_) cudaSetDevice(previous_);  // no throw from a destructor; the launches' errors come first
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
 kda::ParamType param_type(int code, const char* name) {
   if (code < 0 || code > 2) {
     throw std::invalid_argument(std::string("flash_kda: ") + name + " dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
@@ -36,7 +58,7 @@ void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g,
          std::uintptr_t cu_seqlens, bool cu_seqlens_is_int64,
          int64_t batch, int64_t seqlen, int64_t num_seqs, int heads, float scale, float lower_bound,
          std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t status, int v_split, int scan_v_split,
-         int segment_chunks, std::uintptr_t stream) {
+         int segment_chunks, std::uintptr_t stream, int device) {
   kda::FwdParams p{};
   p.q = ptr<const void>(q);
   p.k = ptr<const void>(k);
@@ -67,6 +89,7 @@ void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g,
   p.scan_v_split = scan_v_split;
   p.segment_chunks = segment_chunks;
   py::gil_scoped_release release;
+  const CurrentDevice on(device);
   kda::fwd(p, stream_of(stream));
 }
 
@@ -94,8 +117,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cu_seqlens"), py::arg("cu_seqlens_is_int64"), py::arg("batch"),
         py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("scale"), py::arg("lower_bound"),
         py::arg("workspace"), py::arg("workspace_bytes"), py::arg("status"), py::arg("v_split"), py::arg("scan_v_split"),
-        py::arg("segment_chunks"), py::arg("stream"),
-        "Enqueues the KDA forward on `stream` (device pointers as integers, 0 for None) under the plan "
+        py::arg("segment_chunks"), py::arg("stream"), py::arg("device"),
+        "Enqueues the KDA forward on `stream` of CUDA device `device` (device pointers as integers, 0 for None) "
+        "under the plan "
         "(v_split, scan_v_split, segment_chunks) from choose_plan. Validation is the caller's job: use flash_kda.fwd.");
   m.def(
       "choose_plan",

@@ -47,26 +47,12 @@ struct RecurrenceSmem {
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
 };
 
-// Warp 0 brings chunk `slot`'s workspace record into `stage` with one bulk copy that completes on `full`.
-__device__ __forceinline__ void fill_record(uint8_t* stage, uint64_t* full, const FwdParams& p, int64_t slot, int h,
-                                            int lane) {
+// Lane 0 brings one chunk's workspace record into `stage` with one bulk copy that completes on `full`.
+__device__ __forceinline__ void fill_record(uint8_t* stage, uint64_t* full, const uint8_t* record, int lane) {
   if (lane == 0) {
     mbarrier_arrive_expect_tx(full, ChunkRecordLayout::kBytes);
-    const uint8_t* record = static_cast<const uint8_t*>(p.workspace) +
-                            (static_cast<size_t>(slot) * p.heads + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
     bulk_copy_g2s(stage, record, ChunkRecordLayout::kBytes, full);
   }
-}
-
-// Each warp copies its own 16 state rows' slice of the chunk's 16 value rows (one 16-byte cp.async per lane:
-// token lane / 2, rows half lane % 2), as one commit group; rows past the end of the sequence are zero-filled
-// so that β = 0 meets finite values there. Only this warp reads them: no CTA-wide synchronisation.
-__device__ __forceinline__ void fill_values(uint8_t* value_tile, int value_stride, const __nv_bfloat16* v_rows,
-                                            int64_t row_stride, int rows, int local_v, int lane) {
-  const int c = lane >> 1, piece = lane & 1;
-  const bool valid = c < rows;
-  const __nv_bfloat16* src = v_rows + (valid ? c * row_stride + 8 * piece : 0);
-  cp_async_16(value_tile + c * value_stride + 2 * (local_v + 8 * piece), src, valid ? 16 : 0);
 }
 
 // This warp's 16 state rows as fp32 mma accumulators: s[nt][i] = S[v_base + gi + 8*(i/2)][8*nt + 2*ti + i%2].
@@ -128,30 +114,46 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
   const int local_v = warp * 16;  // this warp's first row inside the CTA's slice
-  const int H = p.heads;
   const int64_t len = bounds.eos - bounds.bos;
-  const int64_t slot0 = first_slot(bounds.bos, n);
-  const int64_t token_stride = static_cast<int64_t>(H) * kHeadDim;  // elements between consecutive tokens
-  // This head's value / output rows of the sequence's first token, at this warp's first state row.
-  const auto* v_seq = static_cast<const __nv_bfloat16*>(p.v) + bounds.bos * token_stride + h * kHeadDim + v_base;
-  auto rows_of = [&](int64_t chunk) {
-    const int64_t remaining = len - chunk * kChunk;
-    return static_cast<int>(remaining < kChunk ? remaining : kChunk);
-  };
-  // Issues local chunk i's copies into its stage; every warp commits one cp.async group per call.
-  auto fill = [&](int64_t i) {
-    if (i < count) {
-      const int64_t chunk = c0 + i;
-      uint8_t* stage = smem + static_cast<int>(i % kStages) * Smem::kStageBytes;
-      if (warp == 0) fill_record(stage, &full[i % kStages], p, slot0 + chunk, h, lane);
+  const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;  // elements between consecutive tokens
+  const int64_t chunk_stride = kChunk * token_stride;                      // elements between consecutive chunks
+
+  // The copies run kStages - 1 chunks ahead of the math, in chunk order. Everything they address advances by
+  // a fixed stride per chunk, so the loop keeps running pointers instead of recomputing 64-bit products (the
+  // bookkeeping between two steps sits on the step's dependent chain).
+  const uint8_t* record_fill = static_cast<const uint8_t*>(p.workspace) +
+                               (static_cast<size_t>(first_slot(bounds.bos, n) + c0) * p.heads + h) *
+                                   static_cast<size_t>(ChunkRecordLayout::kBytes);
+  const size_t record_stride = static_cast<size_t>(p.heads) * ChunkRecordLayout::kBytes;
+  // This warp's value rows: one 16-byte cp.async per lane (token lane / 2, rows half lane % 2); rows past the
+  // end of the sequence are zero-filled (from the chunk's first row, in bounds) so that β = 0 meets finite values.
+  const int fill_token = lane >> 1, fill_piece = lane & 1;
+  const __nv_bfloat16* v_fill = static_cast<const __nv_bfloat16*>(p.v) + (bounds.bos + c0 * kChunk) * token_stride +
+                                h * kHeadDim + v_base;  // the chunk being filled, its first token
+  const __nv_bfloat16* v_fill_lane = v_fill + fill_token * token_stride + 8 * fill_piece;  // this lane's piece
+  const int fill_dst = Smem::kValueOffset + fill_token * Smem::kValueStride + 2 * (local_v + 8 * fill_piece);
+  int64_t rows_fill = len - c0 * kChunk;  // tokens from the chunk being filled to the end of the sequence
+  int64_t filled = 0;
+  int fill_stage = 0;
+  // Issues the next chunk's copies into its stage; every warp commits one cp.async group per call.
+  auto fill_next = [&]() {
+    if (filled < count) {
+      uint8_t* stage = smem + fill_stage * Smem::kStageBytes;
+      if (warp == 0) fill_record(stage, &full[fill_stage], record_fill, lane);
       if (kValues) {
-        fill_values(stage + Smem::kValueOffset, Smem::kValueStride, v_seq + chunk * kChunk * token_stride,
-                    token_stride, rows_of(chunk), local_v, lane);
+        const bool valid = fill_token < rows_fill;
+        cp_async_16(stage + fill_dst, valid ? v_fill_lane : v_fill, valid ? 16 : 0);
       }
+      record_fill += record_stride;
+      v_fill += chunk_stride;
+      v_fill_lane += chunk_stride;
+      rows_fill -= kChunk;
+      fill_stage = fill_stage + 1 == kStages ? 0 : fill_stage + 1;
+      ++filled;
     }
     cp_async_commit();
   };
-  for (int64_t i = 0; i < kStages - 1; ++i) fill(i);
+  for (int i = 0; i < kStages - 1; ++i) fill_next();
 
   // The row this lane addresses for ldmatrix: matrix mat = lane / 8, row lane % 8 of it. Every B operand here
   // (Kd, Qd with k = state column; Krᵀ, INV, Mqk with k = token) is loaded as matrices (n-tile, k half) =
@@ -161,16 +163,21 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
   const int frag_row = (lane & 7) + 8 * (mat >> 1), frag_half = mat & 1;
   const int value_offset = Smem::kValueOffset + frag_row * Smem::kValueStride + 2 * (local_v + 8 * frag_half);
 
-  auto* out_seq = static_cast<__nv_bfloat16*>(p.out) + bounds.bos * token_stride + h * kHeadDim + v_base + 2 * ti;
+  // Outputs: token gi of the chunk (and gi + 8, one tile further), columns v_base + 2ti (+ 8 per half).
+  __nv_bfloat16* out_chunk = static_cast<__nv_bfloat16*>(p.out) + (bounds.bos + c0 * kChunk + gi) * token_stride +
+                             h * kHeadDim + v_base + 2 * ti;
+  const int64_t out_tile = 8 * token_stride;
+  int64_t rows_math = len - c0 * kChunk;  // tokens from the chunk being computed to the end of the sequence
+  int stage_index = 0;
+  uint32_t phase = 0;
   for (int64_t i = 0; i < count; ++i) {
     // Refill the stage the previous step released (the CTA barrier at the end of that step), then wait for
     // this chunk: its value rows (this warp's own copies, the oldest of kStages groups) and its record.
-    fill(i + kStages - 1);
+    fill_next();
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    const int stage_index = static_cast<int>(i % kStages);
     const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
-    mbarrier_wait_parity_warp(&full[stage_index], static_cast<uint32_t>((i / kStages) & 1));
+    mbarrier_wait_parity_warp(&full[stage_index], phase);
 
     const auto* kd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKdOffset);
     const auto* qd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kQdOffset);
@@ -262,20 +269,21 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
         const uint32_t b[2] = {mqk_frag[2 * nt], mqk_frag[2 * nt + 1]};
         mma_bf16_16816(o_acc[nt], u_frag, b);
       }
-      const int64_t chunk = c0 + i;
-      const int rows = rows_of(chunk);
-      __nv_bfloat16* out_chunk = out_seq + (chunk * kChunk + gi) * token_stride;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const uint32_t block = movmatrix_trans(pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1]));
-          if (8 * nt + gi < rows) {  // token 8nt + gi of the chunk
-            *reinterpret_cast<uint32_t*>(out_chunk + 8 * nt * token_stride + 8 * half) = block;
+          if (8 * nt + gi < rows_math) {  // token 8nt + gi of the chunk
+            *reinterpret_cast<uint32_t*>(out_chunk + nt * out_tile + 8 * half) = block;
           }
         }
       }
     }
+    out_chunk += chunk_stride;
+    rows_math -= kChunk;
+    stage_index = stage_index + 1 == kStages ? 0 : stage_index + 1;
+    phase ^= stage_index == 0 ? 1u : 0u;
     __syncthreads();  // every warp is done with this stage before warp 0 refills it
   }
 }

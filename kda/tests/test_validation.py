@@ -556,3 +556,53 @@ def _wrap_cpu(fake):
             final_state.copy_(s)
 
     return run
+
+
+# --- the tight acceptance pass of _validate (host time per call) -----------------------------------------
+
+
+def _args(x: dict) -> tuple:
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
+            x["lower_bound"], x["initial_state"], x["final_state"], x.get("cu_seqlens"), None)
+
+
+@pytest.mark.parametrize("variant", ["states", "no_state", "bf16_states", "flat_dt_bias", "varlen", "bf16_params"])
+def test_well_formed_accepts_what_validate_accepts(variant):
+    """The tight pass returns the same (B, T, H, N) as the ordered checks on well-formed calls of every kind."""
+    x = inputs(state=None if variant == "no_state" else torch.bfloat16 if variant == "bf16_states" else torch.float32)
+    if variant == "flat_dt_bias":
+        x["dt_bias"] = x["dt_bias"].reshape(-1)
+    if variant == "bf16_params":
+        x["A_log"], x["dt_bias"] = x["A_log"].to(torch.bfloat16), x["dt_bias"].to(torch.float16)
+    if variant == "varlen":
+        x = inputs(B=1, T=T, state=torch.float32)
+        x["cu_seqlens"] = torch.tensor([0, 3, T], dtype=torch.int32)
+        x["initial_state"] = torch.zeros(2, H, D, D)
+        x["final_state"] = torch.empty(2, H, D, D)
+    dims = api._well_formed(*_args(x))
+    assert dims is not None
+    assert dims == api._validate(*_args(x), concrete=True)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"scale": 1},  # an int: valid, but left to the ordered checks (numbers.Real)
+        {"scale": float("nan")},
+        {"lower_bound": -5.5},
+        {"lower_bound": float("nan")},
+        {"q": None},
+        {"k": "not a tensor"},
+        {"beta": torch.zeros(B, T, H + 1, dtype=torch.bfloat16)},
+        {"A_log": torch.zeros(H + 1)},
+        {"dt_bias": torch.zeros(H, D, dtype=torch.float64)},
+        {"initial_state": torch.zeros(B + 1, H, D, D)},
+        {"final_state": torch.zeros(B, H, D, D, dtype=torch.float16)},
+        {"out": torch.empty(B, T, H, D, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_well_formed_leaves_the_unusual_to_the_ordered_checks(changes):
+    """Anything unusual or wrong is not accepted by the tight pass (so _validate names it, or accepts an int)."""
+    x = {**inputs(), **changes}
+    assert api._well_formed(*_args(x)) is None
