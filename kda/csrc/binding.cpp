@@ -1,5 +1,5 @@
 // pybind11 module flash_kda._C. Device work takes raw device pointers and a stream handle (integers from
-// torch's data_ptr() and current_stream().cuda_stream), so the extension needs no libtorch and imports on
+// torch's data_ptr() and its current raw stream), so the extension needs no libtorch and imports on
 // machines without a GPU. Argument checking lives in Python (flash_kda/api.py); this layer only converts.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
