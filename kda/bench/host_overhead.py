@@ -40,23 +40,14 @@ def _inputs(state: bool, varlen: bool) -> dict:
 
 
 def _per_call_us(fn, x: dict, *extra) -> float:
+    """Host µs per call of fn with the inputs x (as flash_kda.fwd takes them) and any extra arguments."""
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
             x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"], *extra)
-    for _ in range(50):
-        fn(*args)
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(FLAGS.rounds):
-        t0 = time.perf_counter()
-        for _ in range(FLAGS.calls):
-            fn(*args)
-        rounds.append((time.perf_counter() - t0) / FLAGS.calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(rounds)
+    return _loop_us(lambda: fn(*args))
 
 
 def _loop_us(fn) -> float:
-    """Host µs per call of fn() (no GPU work, or GPU work far shorter than the host's)."""
+    """Host µs per call of fn() (no GPU work, or GPU work far shorter than the host's): median of the rounds."""
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
@@ -89,13 +80,13 @@ def _breakdown(x: dict) -> None:
     launch_args = (q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
                    x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
                    False, 1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), ws.data_ptr(),
-                   ws.numel(), 0, run.v_split, run.scan_v_split, run.segment_chunks, api._current_stream(index),
+                   ws.numel(), 0, run.v_split, run.scan_v_split, run.segment_chunks, _ext.current_stream(index),
                    index)  # fmt: skip
     steps = {
         "whole flash_kda.fwd": lambda: api.fwd(*args[:13]),
         "api._validate": lambda: api._validate(*args, concrete=True),
         "api.plan (cached)": lambda: api.plan(q),
-        "api._current_stream": lambda: api._current_stream(index),
+        "_ext.current_stream": lambda: _ext.current_stream(index),
         "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
         "with torch.cuda.device(q.device): pass": lambda: _enter_device(q.device),
         "C.workspace_bytes": lambda: C.workspace_bytes(q.shape[1], 1, q.shape[2], run.segment_chunks),

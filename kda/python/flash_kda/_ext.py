@@ -80,8 +80,16 @@ def device_info(device: int | torch.device | None = None) -> dict:
             for key, value in load().device_info(index).items()}
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+# The raw cudaStream_t of a device's current stream: torch's private accessor returns the integer directly
+# (building a torch.cuda.Stream object per call costs host time); the public path is the fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(index: int) -> int:
+    """The handle of CUDA device ``index``'s current stream, as the extension takes it."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _check_fp32_cuda(name: str, t: torch.Tensor) -> None:
@@ -100,7 +108,7 @@ def _elementwise(fn_name: str, x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return y
     with torch.cuda.device(x.device):
-        getattr(load(), fn_name)(x.data_ptr(), y.data_ptr(), x.numel(), _stream(x.device))
+        getattr(load(), fn_name)(x.data_ptr(), y.data_ptr(), x.numel(), current_stream(x.device.index))
     return y
 
 
@@ -164,5 +172,6 @@ def mma_bf16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) ->
     if k == 0:  # nothing to accumulate: D = C, no launch
         return d.copy_(c)
     with torch.cuda.device(a.device):
-        load().mma_bf16(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), nbatch, m, n, k, _stream(a.device))
+        load().mma_bf16(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), nbatch, m, n, k,
+                        current_stream(a.device.index))
     return d

@@ -373,7 +373,7 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
 
     C = _ext.load()
     index = q.device.index  # a CUDA tensor's device always has an index
-    stream = _current_stream(index)
+    stream = _ext.current_stream(index)
     run = plan(q, cu_seqlens)
     kernel_bytes = C.workspace_bytes(B * T, N, H, run.segment_chunks)
     nbytes = kernel_bytes + (_host_cu_seqlens_bytes(N) if cu_on_host else 0)
@@ -420,16 +420,6 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
         capability = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
     return capability
 
-
-# The raw cudaStream_t of a device's current stream: torch's private accessor returns the integer directly
-# (building a torch.cuda.Stream object per call costs host time); the public path is the fallback.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(index: int) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(index)
-    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _check_arch(device: torch.device) -> None:
@@ -613,4 +603,4 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     _status_word(device.index)  # the error word too, so that capture allocates nothing
-    return _cached_workspace(device.index, _current_stream(device.index), int(nbytes))
+    return _cached_workspace(device.index, _ext.current_stream(device.index), int(nbytes))
