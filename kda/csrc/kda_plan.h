@@ -97,6 +97,20 @@ inline int best_segment_chunks(int64_t chunks, int64_t seqs, int heads, int sm_c
 // almost nothing on the device (each stays one segment, which nobody scans).
 constexpr int64_t kVarlenSkew = 8;
 
+// Many short sequences: where the grid already over-fills the GPU with one 8-warp CTA per (sequence, head),
+// sequences of at most kShortSequenceChunks chunks (mean) still gain from two 4-warp CTAs per pair. Such a CTA
+// spends most of its life filling its ring and loading / storing the state, and three 4-warp CTAs per SM
+// overlap that with each other's steps where one 8-warp CTA per SM cannot (H200, recurrence ms, v_split 1 / 2:
+// varlen 64×128 H32 0.221 / 0.196; at 32 and 64 chunks per sequence one 8-warp CTA wins: B32 T512 H32
+// 0.304 / 0.329, B8 T1024 H32 0.143 / 0.166).
+constexpr int64_t kShortSequenceChunks = 8;
+inline Plan split_short_sequences(Plan plan, int64_t mean_chunks) {
+  if (plan.segment_chunks == 0 && plan.v_split == 1 && mean_chunks <= kShortSequenceChunks) {
+    plan.v_split = plan.scan_v_split = 2;
+  }
+  return plan;
+}
+
 // The plan for a call; `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
                         int forced_segment_chunks = -1) {
@@ -108,11 +122,11 @@ inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
   if (forced_segment_chunks >= 0) {
     Plan plan = plan_with_segments(chunks, varlen ? num_seqs : seqs, heads, sm_count, forced_segment_chunks);
     plan.segment_chunks = forced_segment_chunks;
-    return plan;
+    return split_short_sequences(plan, mean_chunks);
   }
   const int64_t likely_chunks = varlen ? std::min(total_chunks, kVarlenSkew * mean_chunks) : chunks;
   if (best_segment_chunks(likely_chunks, seqs, heads, sm_count) == 0) {
-    return plan_with_segments(chunks, num_seqs, heads, sm_count, 0);
+    return split_short_sequences(plan_with_segments(chunks, num_seqs, heads, sm_count, 0), mean_chunks);
   }
   return plan_with_segments(chunks, seqs, heads, sm_count, best_segment_chunks(chunks, seqs, heads, sm_count));
 }

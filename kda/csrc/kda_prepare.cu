@@ -1,8 +1,8 @@
 // KDA forward, stage 1 of 2: the token-parallel preparation kernel.
 //
 // One warp per (chunk slot, head) item; warps never wait for each other, so many items are in flight per SM.
-// Lane l owns channels 4l..4l+3 of every row of the chunk; q and k reach shared memory by async copies while
-// the gates are computed.
+// Lane l owns channels 4l..4l+3 of every row of the chunk; q, k and g reach shared memory by async copies, all
+// issued at the start, so each item waits for memory once.
 // The warp computes everything of a 16-token chunk that does not depend on the state S (SPEC §2):
 // L2-normalised q/k, the per-channel log2 gates and their in-chunk cumulative sum G, Kd = k̂·2^G,
 // Qd = scale·q̂·2^G, Kr = k̂·2^{Γ-G}, 2^Γ, β, the products A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, and
@@ -17,57 +17,69 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/smem_opt_in.h"
 
 namespace kda {
 namespace {
 
-constexpr int kPrepWarps = 2;  // independent warps per CTA (the CTA only shares the SM's shared memory)
-constexpr int kPrepThreads = kPrepWarps * 32;
+// Eight independent warps per CTA and two CTAs per SM: shared memory allows 18 warps (12 KB each), registers
+// are capped at 128 to match 16. CTAs of 8 rather than 2 warps keep an SM's warps on two stretches of the
+// (long, unrolled) code instead of eight, which the instruction cache rewards: 0.441 → 0.390 ms at T8192 H96.
+constexpr int kPrepWarps = 8;
+constexpr int kPrepCtasPerSm = 2;
 constexpr int kChannelsPerLane = kHeadDim / 32;
 static_assert(kChannelsPerLane == 4, "a lane owns one 8-byte piece of a 128-channel row");
 
-// Per-warp scratch: the bf16 operands of the two products (swizzled like the record) and their fp32 results.
+// Per-warp scratch: the bf16 operands of the two products, swizzled like the record. Each tile first receives a
+// raw input by async copy (kd: g, qd: q, ki: k); once the products are done, kd holds A and β in fp32.
 struct PrepScratch {
   __nv_bfloat16 kd[kChunk * kHeadDim];
   __nv_bfloat16 qd[kChunk * kHeadDim];
   __nv_bfloat16 ki[kChunk * kHeadDim];
-  float a[kChunk][kChunk];
-  float m[kChunk][kChunk];
-  float beta[kChunk];
 };
+// Row stride of A in the kd tile: 24 floats keeps each half-warp's 8-byte fragment stores free of bank conflicts.
+constexpr int kAStride = 24;
+static_assert((kChunk * kAStride + kChunk) * 4 <= kChunk * kHeadDim * 2, "A and β must fit in the dead kd tile");
 
-// Sum of squares of 128 values, lane l holding elements 4l..4l+3, in the fixed order the twin re-enacts:
-// ((x0²+x1²)+(x2²+x3²)) per lane, then a halving tree over lanes (xor 16, 8, 4, 2, 1).
-__device__ __forceinline__ float sum_squares_128(const float (&x)[4]) {
-  float s = __fadd_rn(__fadd_rn(__fmul_rn(x[0], x[0]), __fmul_rn(x[1], x[1])),
-                      __fadd_rn(__fmul_rn(x[2], x[2]), __fmul_rn(x[3], x[3])));
+// The lane's leaf of a squared norm over 128 values (lane l holding elements 4l..4l+3), in the order the twin
+// re-enacts: (x0²+x1²)+(x2²+x3²).
+__device__ __forceinline__ float sum_squares_4(const float (&x)[4]) {
+  return __fadd_rn(__fadd_rn(__fmul_rn(x[0], x[0]), __fmul_rn(x[1], x[1])),
+                   __fadd_rn(__fmul_rn(x[2], x[2]), __fmul_rn(x[3], x[3])));
+}
+
+// 32 sums over the warp at once, lane l holding a leaf of each: the halving tree over lanes (xor 16, 8, 4, 2, 1)
+// that the twin re-enacts, as a reduce-scatter. At each level a lane keeps the half of its partial sums whose
+// index bit matches its own lane bit and adds its partner's partial of the same sums, so every sum is built
+// from exactly the pairs of a butterfly reduction, with 31 shuffles instead of 160. Lane l ends with sum l.
+template <int kOffset>
+__device__ __forceinline__ void reduce_scatter_level(float (&v)[32], int lane) {
+  const bool upper = (lane & kOffset) != 0;
 #pragma unroll
-  for (int offset = 16; offset >= 1; offset >>= 1) {
-    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
+  for (int i = 0; i < kOffset; ++i) {
+    const float lo = v[i], hi = v[i + kOffset];
+    const float keep = upper ? hi : lo, send = upper ? lo : hi;
+    v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, kOffset));
   }
-  return s;
+}
+__device__ __forceinline__ float reduce_scatter_32(float (&v)[32], int lane) {
+  reduce_scatter_level<16>(v, lane);
+  reduce_scatter_level<8>(v, lane);
+  reduce_scatter_level<4>(v, lane);
+  reduce_scatter_level<2>(v, lane);
+  reduce_scatter_level<1>(v, lane);
+  return v[0];
 }
 
 __device__ __forceinline__ float inv_norm(float sum_sq) {
   return __frcp_rn(__fsqrt_rn(__fadd_rn(sum_sq, kNormEps)));
 }
 
-// Four consecutive bf16 values (8 bytes) to float; zeros when `valid` is false.
-__device__ __forceinline__ uint2 load4_raw(const __nv_bfloat16* src, bool valid) {
-  return valid ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
-}
+// Four consecutive bf16 values (8 bytes) to float.
 __device__ __forceinline__ void unpack4(uint2 raw, float (&x)[4]) {
   const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) x[i] = bf16_to_float(h[i]);
-}
-__device__ __forceinline__ uint2 pack4_bf16(const __nv_bfloat16 (&x)[4]) {
-  uint2 r;
-  r.x = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[0])) |
-        (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[1])) << 16);
-  r.y = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[2])) |
-        (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x[3])) << 16);
-  return r;
 }
 
 // A gate parameter (A_log, dt_bias) element widened to fp32, whatever the caller's dtype (exact).
@@ -133,8 +145,8 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
   const int64_t remaining = len - chunk * kChunk;
   const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
 
-  __shared__ __align__(16) PrepScratch scratch_all[kPrepWarps];
-  PrepScratch& sc = scratch_all[warp];
+  extern __shared__ __align__(16) uint8_t prep_smem[];
+  PrepScratch& sc = reinterpret_cast<PrepScratch*>(prep_smem)[warp];
 
   const auto* q = static_cast<const __nv_bfloat16*>(p.q);
   const auto* k = static_cast<const __nv_bfloat16*>(p.k);
@@ -153,33 +165,37 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
   auto* rec_decay = reinterpret_cast<float*>(record + ChunkRecordLayout::kDecayOffset);
   auto* rec_beta = reinterpret_cast<float*>(record + ChunkRecordLayout::kBetaOffset);
 
-  // Phase 0: q and k rows go to shared memory asynchronously (one 8-byte copy per lane and row, zeros past the
-  // end of the sequence), so their latency overlaps the gates below instead of stalling every row. They land
-  // in the Qd / Ki scratch tiles, which each row overwrites with its results only after reading itself.
+  // Phase 0: the q, k and g rows go to shared memory by async copies (one 8-byte copy per lane, row and input,
+  // zeros past the end of the sequence), all issued before the first is needed, so an item costs one memory
+  // round trip; the gate parameters and β are loaded meanwhile. Each row's raw data sits in row r of its tile,
+  // which later holds the row's results (a swizzle never leaves its row).
 #pragma unroll
   for (int r = 0; r < kChunk; ++r) {
     const bool valid = r < rows;
     const int64_t at = valid ? row_offset(r) : 0;
     cp_async_8(sc.qd + r * kHeadDim + ch0, q + at, valid ? 8 : 0);
     cp_async_8(sc.ki + r * kHeadDim + ch0, k + at, valid ? 8 : 0);
+    cp_async_8(sc.kd + r * kHeadDim + ch0, g + at, valid ? 8 : 0);
   }
   cp_async_commit();
-
-  // Phase 1: gates γ = sigmoid((g + dt_bias)·2^(A_log·log2 e))·lower_bound·log2 e and their running sum G.
-  const float exp_a = ex2_approx(__fmul_rn(load_param(p.A_log, p.A_log_type, h), kLog2e));
-  const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
+  const float a_log = load_param(p.A_log, p.A_log_type, h);
   float bias_c[4];
   load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, bias_c);
-  uint2 g_raw[kChunk];
-#pragma unroll
-  for (int r = 0; r < kChunk; ++r) g_raw[r] = load4_raw(g + row_offset(r), r < rows);
+  const bool has_beta = lane < rows;  // lanes 0..15 own β of row `lane`
+  const float beta_raw = has_beta ? bf16_to_float(beta[(t0 + lane) * H + h]) : 0.f;
+  cp_async_wait<0>();
+  __syncwarp();
+
+  // Phase 1: gates γ = sigmoid((g + dt_bias)·2^(A_log·log2 e))·lower_bound·log2 e and their running sum G.
+  const float exp_a = ex2_approx(__fmul_rn(a_log, kLog2e));
+  const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
   float cum[kChunk][kChannelsPerLane];
   {
     float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < kChunk; ++r) {
       float gf[4];
-      unpack4(g_raw[r], gf);
+      unpack4(*reinterpret_cast<const uint2*>(sc.kd + r * kHeadDim + ch0), gf);
 #pragma unroll
       for (int c = 0; c < kChannelsPerLane; ++c) {
         const float x = __fmul_rn(__fadd_rn(gf[c], bias_c[c]), exp_a);
@@ -189,11 +205,8 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
       }
     }
   }
-  if (lane < kChunk) {
-    const float b = lane < rows ? sigmoid_approx(bf16_to_float(beta[(t0 + lane) * H + h])) : 0.f;
-    sc.beta[lane] = b;
-    rec_beta[lane] = b;
-  }
+  const float my_beta = has_beta ? sigmoid_approx(beta_raw) : 0.f;  // lanes 0..15: β of row `lane`
+  if (lane < kChunk) rec_beta[lane] = my_beta;
   {
     float4 decay;
     decay.x = ex2_approx(cum[kChunk - 1][0]);
@@ -202,25 +215,23 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
     decay.w = ex2_approx(cum[kChunk - 1][3]);
     *reinterpret_cast<float4*>(rec_decay + ch0) = decay;
   }
-  cp_async_wait<0>();
-  __syncwarp();
 
-  // Phase 2a: the 32 squared norms (q and k of 16 rows), each reduced over the warp; lane r keeps q's of row
-  // r and lane 16 + r k's, so one reciprocal square root per lane serves all rows.
-  float my_sum_sq = 0.f;
+  // Phase 2a: the 32 squared norms (q and k of 16 rows) in one reduce-scatter; lane r ends with q's of row r
+  // and lane 16 + r with k's, so one reciprocal square root per lane serves all rows.
+  float leaves[2 * kChunk];
 #pragma unroll
   for (int r = 0; r < kChunk; ++r) {
     float qf[4], kf[4];
     unpack4(*reinterpret_cast<const uint2*>(sc.qd + r * kHeadDim + ch0), qf);
     unpack4(*reinterpret_cast<const uint2*>(sc.ki + r * kHeadDim + ch0), kf);
-    const float sq = sum_squares_128(qf), sk = sum_squares_128(kf);
-    if (lane == r) my_sum_sq = sq;
-    if (lane == kChunk + r) my_sum_sq = sk;
+    leaves[r] = sum_squares_4(qf);
+    leaves[kChunk + r] = sum_squares_4(kf);
   }
-  const float my_inv_norm = inv_norm(my_sum_sq);
+  const float my_inv_norm = inv_norm(reduce_scatter_32(leaves, lane));
 
   // Phase 2b, row by row: the decayed / restored keys and queries.
   uint32_t krt_packed[kChannelsPerLane][kChunk / 2];
+  float kr_even[kChannelsPerLane];
 #pragma unroll
   for (int r = 0; r < kChunk; ++r) {
     float qf[4], kf[4];
@@ -228,32 +239,32 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
     unpack4(*reinterpret_cast<const uint2*>(sc.ki + r * kHeadDim + ch0), kf);
     const float inv_norm_q = __shfl_sync(0xffffffffu, my_inv_norm, r);
     const float inv_norm_k = __shfl_sync(0xffffffffu, my_inv_norm, kChunk + r);
-    __nv_bfloat16 kd[4], qd[4], ki[4];
+    float kd[4], qd[4], ki[4];
 #pragma unroll
     for (int c = 0; c < kChannelsPerLane; ++c) {
       const float k_hat = __fmul_rn(kf[c], inv_norm_k);
       const float q_hat = __fmul_rn(qf[c], inv_norm_q);
       const float decay = ex2_approx(cum[r][c]);
-      kd[c] = __float2bfloat16_rn(__fmul_rn(k_hat, decay));
-      qd[c] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(q_hat, p.scale), decay));
-      ki[c] = __float2bfloat16_rn(__fmul_rn(k_hat, ex2_approx(-cum[r][c])));
-      const __nv_bfloat16 kr =
-          __float2bfloat16_rn(__fmul_rn(k_hat, ex2_approx(__fsub_rn(cum[kChunk - 1][c], cum[r][c]))));
-      const uint32_t bits = *reinterpret_cast<const uint16_t*>(&kr);
+      kd[c] = __fmul_rn(k_hat, decay);
+      qd[c] = __fmul_rn(__fmul_rn(q_hat, p.scale), decay);
+      ki[c] = __fmul_rn(k_hat, ex2_approx(-cum[r][c]));
+      const float kr = __fmul_rn(k_hat, ex2_approx(__fsub_rn(cum[kChunk - 1][c], cum[r][c])));
       if (r % 2 == 0) {
-        krt_packed[c][r / 2] = bits;
+        kr_even[c] = kr;
       } else {
-        krt_packed[c][r / 2] |= bits << 16;
+        krt_packed[c][r / 2] = pack_bf16x2(kr_even[c], kr);
       }
     }
     const int at = swizzle_wide(r, ch0);
-    const uint2 kd_bits = pack4_bf16(kd), qd_bits = pack4_bf16(qd);
+    const uint2 kd_bits = make_uint2(pack_bf16x2(kd[0], kd[1]), pack_bf16x2(kd[2], kd[3]));
+    const uint2 qd_bits = make_uint2(pack_bf16x2(qd[0], qd[1]), pack_bf16x2(qd[2], qd[3]));
+    const uint2 ki_bits = make_uint2(pack_bf16x2(ki[0], ki[1]), pack_bf16x2(ki[2], ki[3]));
     __syncwarp();  // every lane has read row r's raw q and k before any lane overwrites the row
     *reinterpret_cast<uint2*>(rec_kd + at) = kd_bits;
     *reinterpret_cast<uint2*>(rec_qd + at) = qd_bits;
     *reinterpret_cast<uint2*>(sc.kd + at) = kd_bits;
     *reinterpret_cast<uint2*>(sc.qd + at) = qd_bits;
-    *reinterpret_cast<uint2*>(sc.ki + at) = pack4_bf16(ki);
+    *reinterpret_cast<uint2*>(sc.ki + at) = ki_bits;
   }
   // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled).
 #pragma unroll
@@ -266,7 +277,10 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
   }
   __syncwarp();
 
-  // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order.
+  // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order. Mqk leaves from the
+  // accumulators, causally masked; A goes to the dead kd tile for the substitution.
+  float* a_rows = reinterpret_cast<float*>(sc.kd);
+  float* beta_rows = a_rows + kChunk * kAStride;
   {
     float a_acc[2][4] = {}, m_acc[2][4] = {};
 #pragma unroll
@@ -282,21 +296,25 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
         mma_bf16_16816(m_acc[nt], qd_frag, b);
       }
     }
+    __syncwarp();  // every lane's fragments of kd are read before A overwrites the tile
     const int gi = lane >> 2, ti = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = gi + 8 * (i >> 1), col = 8 * nt + 2 * ti + (i & 1);
-        sc.a[row][col] = a_acc[nt][i];
-        sc.m[row][col] = m_acc[nt][i];
+      for (int half = 0; half < 2; ++half) {
+        const int row = gi + 8 * half, col = 8 * nt + 2 * ti;  // accumulators 2·half, 2·half + 1
+        *reinterpret_cast<float2*>(a_rows + row * kAStride + col) =
+            make_float2(a_acc[nt][2 * half], a_acc[nt][2 * half + 1]);
+        const float m0 = col <= row ? m_acc[nt][2 * half] : 0.f;
+        const float m1 = col + 1 <= row ? m_acc[nt][2 * half + 1] : 0.f;
+        *reinterpret_cast<uint32_t*>(rec_mqk + swizzle_narrow(row, col)) = pack_bf16x2(m0, m1);
       }
     }
+    if (lane < kChunk) beta_rows[lane] = my_beta;
   }
   __syncwarp();
 
-  // Phase 4: INV by forward substitution (lane j < 16 owns column j, rows in order, m in order); the other
-  // half of the warp writes the causal mask of Mqk.
+  // Phase 4: INV by forward substitution (lane j < 16 owns column j, rows in order, m in order).
   if (lane < kChunk) {
     const int j = lane;
     float x[kChunk];
@@ -305,31 +323,15 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
       float acc = 0.f;
 #pragma unroll
       for (int m = 0; m < i; ++m) {
-        acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(sc.a[i][m], sc.beta[i]), x[m]));
+        acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(a_rows[i * kAStride + m], beta_rows[i]), x[m]));
       }
       x[i] = __fsub_rn(i == j ? 1.f : 0.f, acc);
       rec_inv[swizzle_narrow(i, j)] = __float2bfloat16_rn(x[i]);
     }
-  } else {
-    const int i = lane - kChunk;  // one row of Mqk per lane
-    __nv_bfloat16 row[kChunk];
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) row[j] = __float2bfloat16_rn(j <= i ? sc.m[i][j] : 0.f);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      uint4 bits;
-      uint32_t* w = &bits.x;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        w[e] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&row[8 * half + 2 * e])) |
-               (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&row[8 * half + 2 * e + 1])) << 16);
-      }
-      *reinterpret_cast<uint4*>(rec_mqk + swizzle_narrow(i, 8 * half)) = bits;
-    }
   }
 }
 
-__global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(kPrepWarps * 32, kPrepCtasPerSm) kda_prepare_kernel(const FwdParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrepWarps + warp;
   prepare_item(p, item, lane, warp);
@@ -341,7 +343,9 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t items = num_chunk_slots(p.total_tokens, p.num_seqs) * p.heads;
   if (items == 0) return;
   const int64_t blocks = (items + kPrepWarps - 1) / kPrepWarps;
-  kda_prepare_kernel<<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
+  constexpr int kSmemBytes = kPrepWarps * static_cast<int>(sizeof(PrepScratch));
+  opt_in_dynamic_smem<kda_prepare_kernel>(kSmemBytes);
+  kda_prepare_kernel<<<static_cast<unsigned>(blocks), kPrepWarps * 32, kSmemBytes, stream>>>(p);
   KDA_CHECK_LAUNCH("kda_prepare_kernel");
 }
 

@@ -27,6 +27,7 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/smem_opt_in.h"
 
 namespace kda {
 namespace {
@@ -417,22 +418,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
   }
 }
 
-// Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps>) on `grid`. More than 48 KB of dynamic
-// shared memory needs an opt-in, once per kernel and device (a driver call, no synchronisation): the kernel
-// is a template argument so that each kernel has its own record of it.
+// Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps>) on `grid`.
 template <int kWarps, auto kKernel>
 void launch_ring_kernel(const dim3& grid, const FwdParams& p, cudaStream_t stream) {
-  constexpr auto kernel = kKernel;
   using Smem = RecurrenceSmem<kWarps>;
-  constexpr int kMaxDevices = 64;
-  static bool opted_in[kMaxDevices] = {};
-  int device = 0;
-  KDA_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= kMaxDevices || !opted_in[device]) {
-    KDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
-    if (device < kMaxDevices) opted_in[device] = true;
-  }
-  kernel<<<grid, kWarps * 32, Smem::kBytes, stream>>>(p);
+  opt_in_dynamic_smem<kKernel>(Smem::kBytes);
+  kKernel<<<grid, kWarps * 32, Smem::kBytes, stream>>>(p);
 }
 
 // CTAs of 128 / v_split rows, i.e. 8 / v_split warps.

@@ -454,7 +454,25 @@ def test_plan_keeps_full_gpus_unsplit(shape):
     total, T, N, H, varlen = shape
     plan = testing.default_plan(total, T, N, H, varlen, 132)
     assert plan.segment_chunks == 0
-    assert plan.v_split == plan.scan_v_split == testing.default_v_split(N, H, 132)
+    short = -(-total // (16 * N)) <= 8  # mean sequence of at most 8 chunks: see the next test
+    assert plan.v_split == plan.scan_v_split == (2 if short else testing.default_v_split(N, H, 132))
+
+
+@pytest.mark.parametrize(
+    "shape, expected",
+    [((8192, 8192, 64, 32, True), 2), ((8192, 128, 64, 32, False), 2), ((4096, 64, 64, 4, False), 2),
+     ((8192, 1024, 8, 32, False), 1), ((16384, 512, 32, 32, False), 1), ((8192, 144, 57, 32, True), 1),
+     ((1024, 128, 8, 4, False), 4)],
+    ids=str,
+)  # fmt: skip
+def test_plan_splits_v_for_many_short_sequences(shape, expected):
+    """Where one 8-warp CTA per (sequence, head) over-fills the GPU, sequences of at most 8 chunks (mean) get two
+    4-warp CTAs per pair; longer ones, and grids that fit, keep the ordinary rule."""
+    from flash_kda import testing
+
+    total, T, N, H, varlen = shape
+    plan = testing.default_plan(total, T, N, H, varlen, 132)
+    assert plan == api.Plan(expected, expected, 0)
 
 
 @pytest.mark.parametrize("shape", _FEW_HEADS, ids=str)
