@@ -50,7 +50,9 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
 
 
 def default_v_split(num_seqs: int, heads: int, sm_count: int) -> int:
-    """The V split ``fwd`` chooses for N sequences of H heads on a GPU with ``sm_count`` SMs (no time split)."""
+    """The V split that N sequences of H heads get on a GPU with ``sm_count`` SMs from their count alone (no time
+    split). ``default_plan`` has the whole choice: batches of many short sequences (mean at most 8 chunks) that
+    get 1 here get 2 there (kda_plan.h)."""
     from flash_kda import _ext  # noqa: PLC0415 -- needs the extension, not torch's CUDA
 
     return int(_ext.load().choose_v_split(num_seqs, heads, sm_count))
