@@ -125,10 +125,13 @@ inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
     return split_short_sequences(plan, mean_chunks);
   }
   const int64_t likely_chunks = varlen ? std::min(total_chunks, kVarlenSkew * mean_chunks) : chunks;
-  if (best_segment_chunks(likely_chunks, seqs, heads, sm_count) == 0) {
+  const int likely_L = best_segment_chunks(likely_chunks, seqs, heads, sm_count);
+  if (likely_L == 0) {
     return split_short_sequences(plan_with_segments(chunks, num_seqs, heads, sm_count, 0), mean_chunks);
   }
-  return plan_with_segments(chunks, seqs, heads, sm_count, best_segment_chunks(chunks, seqs, heads, sm_count));
+  // A fixed-length batch's likely length is its length; a varlen one's segments fit its worst case.
+  const int L = likely_chunks == chunks ? likely_L : best_segment_chunks(chunks, seqs, heads, sm_count);
+  return plan_with_segments(chunks, seqs, heads, sm_count, L);
 }
 
 }  // namespace kda

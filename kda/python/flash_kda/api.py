@@ -421,7 +421,6 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
     return capability
 
 
-
 def _check_arch(device: torch.device) -> None:
     capability = tuple(_device_capability(device))
     if capability != REQUIRED_CAPABILITY:
