@@ -20,12 +20,12 @@ constexpr int kChunk = 16;     // tokens per chunk: keeps 2^{±G} inside bf16/fp
 
 // One (chunk slot, head) record of the workspace, written by the preparation kernel. The records are
 // contiguous, and each is stored as the recurrence kernel's shared-memory image of it: one bulk copy moves a
-// record into shared memory, where every fragment load (ldmatrix) is free of bank conflicts thanks to the
-// swizzles below. The swizzles only move 16-byte pieces, so they change no value.
+// record into shared memory, where the tiles are wgmma's K-major B operands and every fragment load (ldmatrix)
+// is free of bank conflicts thanks to the swizzles below. The swizzles only move 16-byte pieces, so they
+// change no value.
 struct ChunkRecordLayout {
-  static constexpr int kKdOffset = 0;                                      // bf16 [kChunk][kHeadDim]: k̂ ⊙ 2^G
-  static constexpr int kQdOffset = kKdOffset + kChunk * kHeadDim * 2;      // bf16 [kChunk][kHeadDim]: scale·q̂ ⊙ 2^G
-  static constexpr int kKrTOffset = kQdOffset + kChunk * kHeadDim * 2;     // bf16 [kHeadDim][kChunk]: (k̂ ⊙ 2^{Γ-G})ᵀ
+  static constexpr int kKdQdOffset = 0;                                    // Kd and Qd interleaved (record_kq)
+  static constexpr int kKrTOffset = kKdQdOffset + 2 * kChunk * kHeadDim * 2;  // bf16 [kHeadDim][kChunk]: (k̂ ⊙ 2^{Γ-G})ᵀ
   static constexpr int kInvOffset = kKrTOffset + kChunk * kHeadDim * 2;    // bf16 [kChunk][kChunk]: (I + A)⁻¹
   static constexpr int kMqkOffset = kInvOffset + kChunk * kChunk * 2;      // bf16 [kChunk][kChunk]: lower(Qd Kiᵀ)
   static constexpr int kDecayOffset = kMqkOffset + kChunk * kChunk * 2;    // fp32 [kHeadDim]: 2^Γ
@@ -33,15 +33,29 @@ struct ChunkRecordLayout {
   static constexpr int kBytes = kBetaOffset + kChunk * 4;                  // 13,888 bytes
 };
 static_assert(ChunkRecordLayout::kBytes % 16 == 0, "records must stay 16-byte aligned");
+static_assert(ChunkRecordLayout::kMqkOffset == ChunkRecordLayout::kInvOffset + 512,
+              "the output's second product reads INV and Mqk as one 32-row operand (Mqk = rows 16..31)");
 
-// Element index of (row, col) in a swizzled bf16 [rows][128] matrix (Kd, Qd): the 16-byte piece col / 8 of
-// row r is stored at piece (col / 8) ^ (r % 8), so the 8 rows an ldmatrix phase reads hit 8 different banks.
+// Kd (tile 0: k̂ ⊙ 2^G) and Qd (tile 1: scale·q̂ ⊙ 2^G), bf16 [kChunk][kHeadDim] each, in two 4,096-byte blocks
+// of columns 0..63 and 64..127; a block holds Kd's 16 rows then Qd's, 128 bytes per row, and the 16-byte piece
+// (col % 64) / 8 of a row r is stored at piece ((col % 64) / 8) ^ (r % 8). That is wgmma's K-major 128-byte
+// swizzle (1024-byte aligned in shared memory), so one product reads both tiles as a 32-row B operand; the
+// 8 rows an ldmatrix phase reads hit 8 different banks. Returns the element index.
+constexpr int record_kq(int tile, int row, int col) {
+  return (col >> 6) * (2 * kChunk * 64) + tile * (kChunk * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
+         (col & 7);
+}
+
+// Element index of (row, col) in a swizzled bf16 [rows][128] matrix (the preparation kernel's scratch tiles):
+// the 16-byte piece col / 8 of row r is stored at piece (col / 8) ^ (r % 8), so the 8 rows an ldmatrix phase
+// reads hit 8 different banks.
 constexpr int swizzle_wide(int row, int col) {
   return row * kHeadDim + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
 // Element index of (row, col) in a swizzled bf16 [rows][16] matrix (Krᵀ, INV, Mqk): rows are 32 bytes, so
-// the half col / 8 of row r is stored at half (col / 8) ^ ((r / 4) % 2).
+// the half col / 8 of row r is stored at half (col / 8) ^ ((r / 4) % 2): wgmma's K-major 32-byte-swizzle
+// layout (256-byte aligned in shared memory).
 constexpr int swizzle_narrow(int row, int col) {
   return row * kChunk + ((((col >> 3) ^ ((row >> 2) & 1))) << 3) + (col & 7);
 }

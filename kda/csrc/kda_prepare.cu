@@ -157,8 +157,7 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
 
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(slot) * H + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
-  auto* rec_kd = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kKdOffset);
-  auto* rec_qd = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kQdOffset);
+  auto* rec_kq = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kKdQdOffset);
   auto* rec_krt = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kKrTOffset);
   auto* rec_inv = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kInvOffset);
   auto* rec_mqk = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kMqkOffset);
@@ -260,8 +259,8 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
     const uint2 qd_bits = make_uint2(pack_bf16x2(qd[0], qd[1]), pack_bf16x2(qd[2], qd[3]));
     const uint2 ki_bits = make_uint2(pack_bf16x2(ki[0], ki[1]), pack_bf16x2(ki[2], ki[3]));
     __syncwarp();  // every lane has read row r's raw q and k before any lane overwrites the row
-    *reinterpret_cast<uint2*>(rec_kd + at) = kd_bits;
-    *reinterpret_cast<uint2*>(rec_qd + at) = qd_bits;
+    *reinterpret_cast<uint2*>(rec_kq + record_kq(0, r, ch0)) = kd_bits;
+    *reinterpret_cast<uint2*>(rec_kq + record_kq(1, r, ch0)) = qd_bits;
     *reinterpret_cast<uint2*>(sc.kd + at) = kd_bits;
     *reinterpret_cast<uint2*>(sc.qd + at) = qd_bits;
     *reinterpret_cast<uint2*>(sc.ki + at) = ki_bits;

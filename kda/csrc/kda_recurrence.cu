@@ -27,6 +27,7 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/sm90_wgmma.cuh"
 #include "kda/csrc/smem_opt_in.h"
 
 namespace kda {
@@ -42,11 +43,17 @@ struct RecurrenceSmem {
   // different banks (and every row stays 16-byte aligned for the bulk copies).
   static constexpr int kValueStride = kRows * 2 + 16;
   static constexpr int kValueOffset = ChunkRecordLayout::kBytes;
-  static constexpr int kStageBytes = kValueOffset + kChunk * kValueStride;
+  // Stages start 1024-byte aligned: wgmma's 128-byte swizzle is a function of the address bits.
+  static constexpr int kStageBytes = (kValueOffset + kChunk * kValueStride + 1023) / 1024 * 1024;
   static constexpr int kBarrierOffset = kStages * kStageBytes;
   static constexpr int kBytes = kBarrierOffset + kStages * 8;
-  static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+  static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the dynamic shared memory's start
 };
+
+// The ring's start: the dynamic shared memory rounded up to 1024 bytes.
+__device__ __forceinline__ uint8_t* aligned_ring(uint8_t* dynamic_smem) {
+  return dynamic_smem + ((1024u - (smem_addr(dynamic_smem) & 1023u)) & 1023u);
+}
 
 // Lane 0 brings one chunk's workspace record into `stage` with one bulk copy that completes on `full`.
 __device__ __forceinline__ void fill_record(uint8_t* stage, uint64_t* full, const uint8_t* record, int lane) {
@@ -107,7 +114,9 @@ __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
 // Runs chunks c0 .. c0 + count - 1 of (sequence `bounds`, head h) over this warp's 16 state rows `s`.
 // kOutput: compute and store the chunk outputs (the finishing pass); the scan pass only needs the end state.
 // kValues: the value rows enter (state rows); transition rows (the map M of the time split) see v = 0.
-template <int kWarps, bool kOutput, bool kValues>
+// kWgmma: the products as warpgroup wgmma (kWarps a multiple of 4) instead of per-warp mma.sync; the same
+// products in the same order, rounded the same way (docs/KERNEL.md), so no bit changes.
+template <int kWarps, bool kOutput, bool kValues, bool kWgmma>
 __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                            const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
                                            StateRows& s) {
@@ -180,8 +189,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
     mbarrier_wait_parity_warp(&full[stage_index], phase);
 
-    const auto* kd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKdOffset);
-    const auto* qd = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kQdOffset);
+    const uint8_t* kq = stage + ChunkRecordLayout::kKdQdOffset;
     const auto* krt = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKrTOffset);
     const auto* inv = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kInvOffset);
     const auto* mqk = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kMqkOffset);
@@ -193,22 +201,40 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) acc_to_a_frag(s_frag[ks], s[2 * ks], s[2 * ks + 1]);
 
-    // Pᵀ and Oᵀ: independent accumulation chains, each over k-steps 0..7 in order.
-    float p_acc[2][4] = {};
-    float o_acc[2][4] = {};
+    // Pᵀ (po[0..1]) and Oᵀ (po[2..3]): independent accumulation chains, each over k-steps 0..7 in order. With
+    // wgmma one product per k-step covers both (Kd's and Qd's rows are one 32-row operand).
+    float po[4][4] = {};
+    if constexpr (kWgmma) {
+      register_fence(po);
+      wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      uint32_t kd_frag[4], qd_frag[4];
-      const int col = 16 * ks + 8 * frag_half;
-      ldmatrix_x4(kd_frag, kd + swizzle_wide(frag_row, col));
-      if (kOutput) ldmatrix_x4(qd_frag, qd + swizzle_wide(frag_row, col));
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const uint64_t b = smem_desc(kq + (ks / 4) * 4096 + (ks % 4) * 32, SmemSwizzle::k128B, 1024);
+        if constexpr (kOutput) {
+          wgmma_m64n32k16(po, s_frag[ks], b);
+        } else {
+          wgmma_m64n16k16(*reinterpret_cast<float(*)[2][4]>(&po[0]), s_frag[ks], b);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      register_fence(po);
+    } else {
+      const auto* kq_bf16 = reinterpret_cast<const __nv_bfloat16*>(kq);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t bk[2] = {kd_frag[2 * nt], kd_frag[2 * nt + 1]};
-        mma_bf16_16816(p_acc[nt], s_frag[ks], bk);
-        if (kOutput) {
-          const uint32_t bq[2] = {qd_frag[2 * nt], qd_frag[2 * nt + 1]};
-          mma_bf16_16816(o_acc[nt], s_frag[ks], bq);
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        uint32_t kd_frag[4], qd_frag[4];
+        const int col = 16 * ks + 8 * frag_half;
+        ldmatrix_x4(kd_frag, kq_bf16 + record_kq(0, frag_row, col));
+        if (kOutput) ldmatrix_x4(qd_frag, kq_bf16 + record_kq(1, frag_row, col));
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t bk[2] = {kd_frag[2 * nt], kd_frag[2 * nt + 1]};
+          mma_bf16_16816(po[nt], s_frag[ks], bk);
+          if (kOutput) {
+            const uint32_t bq[2] = {qd_frag[2 * nt], qd_frag[2 * nt + 1]};
+            mma_bf16_16816(po[2 + nt], s_frag[ks], bq);
+          }
         }
       }
     }
@@ -223,58 +249,85 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const __nv_bfloat162 vv = *reinterpret_cast<const __nv_bfloat162*>(&v_frag[2 * nt + half]);
-        w[nt][2 * half] = __fmul_rn(b.x, __fsub_rn(__low2float(vv), p_acc[nt][2 * half]));
-        w[nt][2 * half + 1] = __fmul_rn(b.y, __fsub_rn(__high2float(vv), p_acc[nt][2 * half + 1]));
+        w[nt][2 * half] = __fmul_rn(b.x, __fsub_rn(__low2float(vv), po[nt][2 * half]));
+        w[nt][2 * half + 1] = __fmul_rn(b.y, __fsub_rn(__high2float(vv), po[nt][2 * half + 1]));
       }
     }
     uint32_t w_frag[4];
     acc_to_a_frag(w_frag, w[0], w[1]);
 
     // Uᵀ = bf16(Wᵀ)·INVᵀ: B(k = c, n = c') = INV[c'][c], i.e. INV's rows.
-    uint32_t inv_frag[4], mqk_frag[4];
-    ldmatrix_x4(inv_frag, inv + swizzle_narrow(frag_row, 8 * frag_half));
-    if (kOutput) ldmatrix_x4(mqk_frag, mqk + swizzle_narrow(frag_row, 8 * frag_half));
     float u[2][4] = {};
+    uint32_t mqk_frag[4];
+    if constexpr (kWgmma) {
+      register_fence(u);
+      wgmma_fence();
+      wgmma_m64n16k16(u, w_frag, smem_desc(inv, SmemSwizzle::k32B, 256));
+      wgmma_commit();
+      wgmma_wait<0>();
+      register_fence(u);
+    } else {
+      uint32_t inv_frag[4];
+      ldmatrix_x4(inv_frag, inv + swizzle_narrow(frag_row, 8 * frag_half));
+      if (kOutput) ldmatrix_x4(mqk_frag, mqk + swizzle_narrow(frag_row, 8 * frag_half));
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const uint32_t b[2] = {inv_frag[2 * nt], inv_frag[2 * nt + 1]};
-      mma_bf16_16816(u[nt], w_frag, b);
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t b[2] = {inv_frag[2 * nt], inv_frag[2 * nt + 1]};
+        mma_bf16_16816(u[nt], w_frag, b);
+      }
     }
     uint32_t u_frag[4];
     acc_to_a_frag(u_frag, u[0], u[1]);
 
-    // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = Krᵀ's rows. (Issued before the
-    // output so that the next step's chain starts as early as possible.)
+    // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = Krᵀ's rows; then (issued after, so
+    // that the next step's chain starts as early as possible) Oᵀ += bf16(Uᵀ)·Mqkᵀ.
 #pragma unroll
-    for (int pair = 0; pair < kHeadDim / 16; ++pair) {
-      uint32_t kr_frag[4];
-      ldmatrix_x4(kr_frag, krt + swizzle_narrow(16 * pair + frag_row, 8 * frag_half));
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      const float2 d = *reinterpret_cast<const float2*>(decay + 8 * nt + 2 * ti);
+      s[nt][0] = __fmul_rn(s[nt][0], d.x);
+      s[nt][1] = __fmul_rn(s[nt][1], d.y);
+      s[nt][2] = __fmul_rn(s[nt][2], d.x);
+      s[nt][3] = __fmul_rn(s[nt][3], d.y);
+    }
+    if constexpr (kWgmma) {
+      register_fence(s);
+      register_fence(po);
+      wgmma_fence();
+      wgmma_m64n128k16(s, u_frag, smem_desc(krt, SmemSwizzle::k32B, 256));
+      // INV's and Mqk's rows as one 32-row operand: the INV half lands in the spent Pᵀ accumulators.
+      if constexpr (kOutput) wgmma_m64n32k16(po, u_frag, smem_desc(inv, SmemSwizzle::k32B, 256));
+      wgmma_commit();
+      wgmma_wait<0>();
+      register_fence(s);
+      register_fence(po);
+    } else {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int nt = 2 * pair + j;
-        const float2 d = *reinterpret_cast<const float2*>(decay + 8 * nt + 2 * ti);
-        s[nt][0] = __fmul_rn(s[nt][0], d.x);
-        s[nt][1] = __fmul_rn(s[nt][1], d.y);
-        s[nt][2] = __fmul_rn(s[nt][2], d.x);
-        s[nt][3] = __fmul_rn(s[nt][3], d.y);
-        const uint32_t b[2] = {kr_frag[2 * j], kr_frag[2 * j + 1]};
-        mma_bf16_16816(s[nt], u_frag, b);
+      for (int pair = 0; pair < kHeadDim / 16; ++pair) {
+        uint32_t kr_frag[4];
+        ldmatrix_x4(kr_frag, krt + swizzle_narrow(16 * pair + frag_row, 8 * frag_half));
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t b[2] = {kr_frag[2 * j], kr_frag[2 * j + 1]};
+          mma_bf16_16816(s[2 * pair + j], u_frag, b);
+        }
+      }
+      if (kOutput) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t b[2] = {mqk_frag[2 * nt], mqk_frag[2 * nt + 1]};
+          mma_bf16_16816(po[2 + nt], u_frag, b);
+        }
       }
     }
 
     if (kOutput) {
-      // Oᵀ += bf16(Uᵀ)·Mqkᵀ, then out[token][h][v]: each 8x8 bf16 block is transposed in registers so a lane
-      // stores two adjacent v of one token.
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t b[2] = {mqk_frag[2 * nt], mqk_frag[2 * nt + 1]};
-        mma_bf16_16816(o_acc[nt], u_frag, b);
-      }
+      // out[token][h][v] from Oᵀ: each 8x8 bf16 block is transposed in registers so a lane stores two adjacent
+      // v of one token.
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const uint32_t block = movmatrix_trans(pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1]));
+          const uint32_t block = movmatrix_trans(pack_bf16x2(po[2 + nt][2 * half], po[2 + nt][2 * half + 1]));
           if (8 * nt + gi < rows_math) {  // token 8nt + gi of the chunk
             *reinterpret_cast<uint32_t*>(out_chunk + nt * out_tile + 8 * half) = block;
           }
@@ -292,7 +345,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 // The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
 // and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
 // whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
-template <typename InitT, typename FinalT, int kWarps>
+template <typename InitT, typename FinalT, int kWarps, bool kWgmma>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;
   const int h = blockIdx.y;
@@ -300,7 +353,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
   const int gi = lane >> 2, ti = lane & 3;
   const int v_base = blockIdx.z * Smem::kRows + warp * 16;
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t dynamic_smem[];
+  uint8_t* smem = aligned_ring(dynamic_smem);
   uint64_t* full = init_ring<kWarps>(smem);
 
   const int L = p.segment_chunks;
@@ -343,7 +397,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     fill_rows(s, 0.f);
   }
 
-  run_chunks<kWarps, true, true>(p, smem, full, n, h, bounds, c0, count, v_base, s);
+  run_chunks<kWarps, true, true, kWgmma>(p, smem, full, n, h, bounds, c0, count, v_base, s);
 
   if (last && p.final_state != nullptr) {
     store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
@@ -354,7 +408,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 // the same records: from zero with the values (its end state Q) and from the identity without them (the
 // transition map M, as rows: row i is e_i carried through the segment). Both go to the window's storage: Q in
 // fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
-template <int kWarps>
+template <int kWarps, bool kWgmma>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;
   const int L = p.segment_chunks;
@@ -378,7 +432,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
   const bool transition = static_cast<int>(blockIdx.z) < kParts;
   const int v_base = (blockIdx.z % kParts) * Smem::kRows + warp * 16;
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t dynamic_smem[];
+  uint8_t* smem = aligned_ring(dynamic_smem);
   uint64_t* full = init_ring<kWarps>(smem);
 
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
@@ -390,7 +445,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[nt][i] = (v_base + gi + 8 * (i >> 1) == 8 * nt + 2 * ti + (i & 1)) ? 1.f : 0.f;
     }
-    run_chunks<kWarps, false, false>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, false, false, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     // Rows v_base.. of M are k-step v_base / 16 of the composition's B operand (k = input state column i,
     // n = output column): b0 of lane (g, t) is (M[16ks + 2t][8nt + g], M[16ks + 2t + 1][8nt + g]), the
     // transpose of this lane's accumulator block, hence movmatrix.
@@ -413,7 +468,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
     }
   } else {
     fill_rows(s, 0.f);
-    run_chunks<kWarps, false, true>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, false, true, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     store_rows(reinterpret_cast<float*>(data + WindowLayout::kNextOffset), s, v_base, gi, ti);
   }
 }
@@ -422,8 +477,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
 template <int kWarps, auto kKernel>
 void launch_ring_kernel(const dim3& grid, const FwdParams& p, cudaStream_t stream) {
   using Smem = RecurrenceSmem<kWarps>;
-  opt_in_dynamic_smem<kKernel>(Smem::kBytes);
-  kKernel<<<grid, kWarps * 32, Smem::kBytes, stream>>>(p);
+  opt_in_dynamic_smem<kKernel>(Smem::kLaunchBytes);
+  kKernel<<<grid, kWarps * 32, Smem::kLaunchBytes, stream>>>(p);
 }
 
 // CTAs of 128 / v_split rows, i.e. 8 / v_split warps.
@@ -438,13 +493,20 @@ void with_warps(int v_split, Launch launch) {
   }
 }
 
+// Which CTAs run their products as wgmma: those of two warpgroups, which share an SM's tensor cores and are
+// bound by their throughput (wgmma reads each B operand once per warpgroup, mma.sync once per warp). A CTA of
+// one warpgroup is bound by the step's dependent chain, which is shorter with mma.sync (three wgmma round
+// trips per step); docs/KERNEL.md has the measurements.
+template <int kWarps>
+constexpr bool kUseWgmma = kWarps == 8;
+
 template <typename InitT, typename FinalT>
 void launch_finish(const FwdParams& p, cudaStream_t stream) {
   const int64_t columns = pass_columns(p).finish;
   const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.v_split));
   with_warps(p.v_split, [&](auto warps) {
     constexpr int kWarps = decltype(warps)::value;
-    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps>>(grid, p, stream);
+    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kUseWgmma<kWarps>>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
@@ -477,7 +539,7 @@ void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
                   static_cast<unsigned>(2 * p.scan_v_split));
   with_warps(p.scan_v_split, [&](auto warps) {
     constexpr int kWarps = decltype(warps)::value;
-    launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps>>(grid, p, stream);
+    launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps, kUseWgmma<kWarps>>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_segment_scan_kernel");
 }

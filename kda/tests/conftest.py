@@ -6,6 +6,8 @@
   a failure under ``KDA_REQUIRE_GPU=1``); the Bazel runner loads that plugin, and this file registers it for
   plain ``pytest`` runs.
 - Fixtures: ``kda_case`` (a matrix.Case, parametrised), ``seed`` and ``gen`` (seeded per test id).
+- After every test the process hands its cached GPU memory back (``release_gpu_cache``): several test processes
+  share one GPU, and each would otherwise keep its largest case's float64 references (10-20 GB) for good.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,12 @@ def seed(request: pytest.FixtureRequest) -> int:
 def gen(seed: int) -> torch.Generator:
     """A CPU generator seeded from the test id."""
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_cache() -> Iterator[None]:
+    """Returns PyTorch's cached GPU blocks to the driver after each test, so that the test processes sharing
+    the GPU only hold what their running cases need."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
