@@ -33,10 +33,11 @@
 namespace kda {
 namespace {
 
-constexpr int kStages = 4;  // chunks in flight: hides the record's trip from HBM/L2 behind ~3 steps
+// Chunks in flight: hides the record's trip from HBM/L2 behind ~3 steps (6 and 8 measured slower: docs/KERNEL.md).
+constexpr int kStages = 4;
 
-// Shared-memory ring of one CTA that owns kWarps * 16 state rows.
-template <int kWarps>
+// Shared-memory ring of kStages stages of one CTA that owns kWarps * 16 state rows.
+template <int kWarps, int kStages>
 struct RecurrenceSmem {
   static constexpr int kRows = kWarps * 16;
   // Value rows [token c][v of this CTA], padded by 16 bytes so the 8 rows an ldmatrix phase reads sit in
@@ -99,9 +100,9 @@ __device__ __forceinline__ void fill_rows(StateRows& s, float value) {
 }
 
 // Sets up the CTA's stage barriers (once per CTA: a CTA runs one chunk range).
-template <int kWarps>
+template <int kWarps, int kStages>
 __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + RecurrenceSmem<kWarps>::kBarrierOffset);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + RecurrenceSmem<kWarps, kStages>::kBarrierOffset);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) mbarrier_init(&full[st], 1);
@@ -116,11 +117,11 @@ __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
 // kValues: the value rows enter (state rows); transition rows (the map M of the time split) see v = 0.
 // kWgmma: the products as warpgroup wgmma (kWarps a multiple of 4) instead of per-warp mma.sync; the same
 // products in the same order, rounded the same way (docs/KERNEL.md), so no bit changes.
-template <int kWarps, bool kOutput, bool kValues, bool kWgmma>
+template <int kWarps, int kStages, bool kOutput, bool kValues, bool kWgmma>
 __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                            const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
                                            StateRows& s) {
-  using Smem = RecurrenceSmem<kWarps>;
+  using Smem = RecurrenceSmem<kWarps, kStages>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
   const int local_v = warp * 16;  // this warp's first row inside the CTA's slice
@@ -178,6 +179,10 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
                              h * kHeadDim + v_base + 2 * ti;
   const int64_t out_tile = 8 * token_stride;
   int64_t rows_math = len - c0 * kChunk;  // tokens from the chunk being computed to the end of the sequence
+  // wgmma descriptors: the constant halves, and the ring's start address (a stage adds its offset >> 4).
+  constexpr uint32_t kKqDescHi = smem_desc_hi(SmemSwizzle::k128B, 1024);  // Kd | Qd, 8-row groups 1 KB apart
+  constexpr uint32_t kNarrowDescHi = smem_desc_hi(SmemSwizzle::k32B, 256);  // Krᵀ, INV | Mqk
+  const uint32_t ring_desc_lo = smem_desc_lo(smem);
   int stage_index = 0;
   uint32_t phase = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -190,6 +195,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     mbarrier_wait_parity_warp(&full[stage_index], phase);
 
     const uint8_t* kq = stage + ChunkRecordLayout::kKdQdOffset;
+    const uint32_t stage_desc_lo = ring_desc_lo + stage_index * (Smem::kStageBytes / 16);
     const auto* krt = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kKrTOffset);
     const auto* inv = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kInvOffset);
     const auto* mqk = reinterpret_cast<const __nv_bfloat16*>(stage + ChunkRecordLayout::kMqkOffset);
@@ -201,15 +207,39 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) acc_to_a_frag(s_frag[ks], s[2 * ks], s[2 * ks + 1]);
 
+    // The operands of Wᵀ besides Pᵀ (the value rows, V = 0 for transition rows, and β), and S ⊙ 2^Γ, the first
+    // term of the state update: with wgmma both run while the tensor cores compute Pᵀ, off the step's chain.
+    uint32_t v_frag[4] = {0u, 0u, 0u, 0u};  // [token tile nt][v half]: (V[8nt+2t][v], V[8nt+2t+1][v]), v = g (+8)
+    float2 beta_pair[2];
+    auto load_w_operands = [&]() {
+      if (kValues) ldmatrix_x4_trans(v_frag, stage + value_offset);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) beta_pair[nt] = *reinterpret_cast<const float2*>(beta + 8 * nt + 2 * ti);
+    };
+    auto decay_state = [&]() {
+#pragma unroll
+      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+        const float2 d = *reinterpret_cast<const float2*>(decay + 8 * nt + 2 * ti);
+        s[nt][0] = __fmul_rn(s[nt][0], d.x);
+        s[nt][1] = __fmul_rn(s[nt][1], d.y);
+        s[nt][2] = __fmul_rn(s[nt][2], d.x);
+        s[nt][3] = __fmul_rn(s[nt][3], d.y);
+      }
+    };
+
     // Pᵀ (po[0..1]) and Oᵀ (po[2..3]): independent accumulation chains, each over k-steps 0..7 in order. With
     // wgmma one product per k-step covers both (Kd's and Qd's rows are one 32-row operand).
     float po[4][4] = {};
     if constexpr (kWgmma) {
+      load_w_operands();
+      decay_state();
+      register_fence(s);
       register_fence(po);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const uint64_t b = smem_desc(kq + (ks / 4) * 4096 + (ks % 4) * 32, SmemSwizzle::k128B, 1024);
+        const uint64_t b = smem_desc(stage_desc_lo + (ChunkRecordLayout::kKdQdOffset + (ks / 4) * 4096 + (ks % 4) * 32) / 16,
+                                     kKqDescHi);
         if constexpr (kOutput) {
           wgmma_m64n32k16(po, s_frag[ks], b);
         } else {
@@ -237,15 +267,14 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
           }
         }
       }
+      load_w_operands();
     }
 
-    // Wᵀ[v][c] = β[c]·(V[c][v] − Pᵀ[v][c])  (V = 0 for transition rows).
-    uint32_t v_frag[4] = {0u, 0u, 0u, 0u};  // [token tile nt][v half]: (V[8nt+2t][v], V[8nt+2t+1][v]), v = g (+8)
-    if (kValues) ldmatrix_x4_trans(v_frag, stage + value_offset);
+    // Wᵀ[v][c] = β[c]·(V[c][v] − Pᵀ[v][c]).
     float w[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const float2 b = *reinterpret_cast<const float2*>(beta + 8 * nt + 2 * ti);
+      const float2 b = beta_pair[nt];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const __nv_bfloat162 vv = *reinterpret_cast<const __nv_bfloat162*>(&v_frag[2 * nt + half]);
@@ -262,7 +291,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     if constexpr (kWgmma) {
       register_fence(u);
       wgmma_fence();
-      wgmma_m64n16k16(u, w_frag, smem_desc(inv, SmemSwizzle::k32B, 256));
+      wgmma_m64n16k16(u, w_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kInvOffset / 16, kNarrowDescHi));
       wgmma_commit();
       wgmma_wait<0>();
       register_fence(u);
@@ -281,21 +310,16 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 
     // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = Krᵀ's rows; then (issued after, so
     // that the next step's chain starts as early as possible) Oᵀ += bf16(Uᵀ)·Mqkᵀ.
-#pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      const float2 d = *reinterpret_cast<const float2*>(decay + 8 * nt + 2 * ti);
-      s[nt][0] = __fmul_rn(s[nt][0], d.x);
-      s[nt][1] = __fmul_rn(s[nt][1], d.y);
-      s[nt][2] = __fmul_rn(s[nt][2], d.x);
-      s[nt][3] = __fmul_rn(s[nt][3], d.y);
-    }
+    if constexpr (!kWgmma) decay_state();
     if constexpr (kWgmma) {
       register_fence(s);
       register_fence(po);
       wgmma_fence();
-      wgmma_m64n128k16(s, u_frag, smem_desc(krt, SmemSwizzle::k32B, 256));
+      wgmma_m64n128k16(s, u_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kKrTOffset / 16, kNarrowDescHi));
       // INV's and Mqk's rows as one 32-row operand: the INV half lands in the spent Pᵀ accumulators.
-      if constexpr (kOutput) wgmma_m64n32k16(po, u_frag, smem_desc(inv, SmemSwizzle::k32B, 256));
+      if constexpr (kOutput) {
+        wgmma_m64n32k16(po, u_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kInvOffset / 16, kNarrowDescHi));
+      }
       wgmma_commit();
       wgmma_wait<0>();
       register_fence(s);
@@ -345,9 +369,9 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 // The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
 // and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
 // whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
-template <typename InitT, typename FinalT, int kWarps, bool kWgmma>
+template <typename InitT, typename FinalT, int kWarps, int kStages, bool kWgmma>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
-  using Smem = RecurrenceSmem<kWarps>;
+  using Smem = RecurrenceSmem<kWarps, kStages>;
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
@@ -355,7 +379,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 
   extern __shared__ __align__(128) uint8_t dynamic_smem[];
   uint8_t* smem = aligned_ring(dynamic_smem);
-  uint64_t* full = init_ring<kWarps>(smem);
+  uint64_t* full = init_ring<kWarps, kStages>(smem);
 
   const int L = p.segment_chunks;
   int64_t n = blockIdx.x, j = 0;  // sequence and segment of this CTA column (kda_params.h, pass_columns)
@@ -397,7 +421,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     fill_rows(s, 0.f);
   }
 
-  run_chunks<kWarps, true, true, kWgmma>(p, smem, full, n, h, bounds, c0, count, v_base, s);
+  run_chunks<kWarps, kStages, true, true, kWgmma>(p, smem, full, n, h, bounds, c0, count, v_base, s);
 
   if (last && p.final_state != nullptr) {
     store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
@@ -408,9 +432,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 // the same records: from zero with the values (its end state Q) and from the identity without them (the
 // transition map M, as rows: row i is e_i carried through the segment). Both go to the window's storage: Q in
 // fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
-template <int kWarps, bool kWgmma>
+template <int kWarps, int kStages, bool kWgmma>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const FwdParams p) {
-  using Smem = RecurrenceSmem<kWarps>;
+  using Smem = RecurrenceSmem<kWarps, kStages>;
   const int L = p.segment_chunks;
   int64_t n, j, window;  // the scanned segment of this CTA column (kda_params.h, pass_columns)
   if (p.cu_seqlens == nullptr) {
@@ -434,7 +458,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
 
   extern __shared__ __align__(128) uint8_t dynamic_smem[];
   uint8_t* smem = aligned_ring(dynamic_smem);
-  uint64_t* full = init_ring<kWarps>(smem);
+  uint64_t* full = init_ring<kWarps, kStages>(smem);
 
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   uint8_t* data = window_data(p, window, h);
@@ -445,7 +469,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[nt][i] = (v_base + gi + 8 * (i >> 1) == 8 * nt + 2 * ti + (i & 1)) ? 1.f : 0.f;
     }
-    run_chunks<kWarps, false, false, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, kStages, false, false, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     // Rows v_base.. of M are k-step v_base / 16 of the composition's B operand (k = input state column i,
     // n = output column): b0 of lane (g, t) is (M[16ks + 2t][8nt + g], M[16ks + 2t + 1][8nt + g]), the
     // transpose of this lane's accumulator block, hence movmatrix.
@@ -468,15 +492,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
     }
   } else {
     fill_rows(s, 0.f);
-    run_chunks<kWarps, false, true, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, kStages, false, true, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     store_rows(reinterpret_cast<float*>(data + WindowLayout::kNextOffset), s, v_base, gi, ti);
   }
 }
 
-// Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps>) on `grid`.
-template <int kWarps, auto kKernel>
+// Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps, kStages>) on `grid`.
+template <int kWarps, int kStages, auto kKernel>
 void launch_ring_kernel(const dim3& grid, const FwdParams& p, cudaStream_t stream) {
-  using Smem = RecurrenceSmem<kWarps>;
+  using Smem = RecurrenceSmem<kWarps, kStages>;
   opt_in_dynamic_smem<kKernel>(Smem::kLaunchBytes);
   kKernel<<<grid, kWarps * 32, Smem::kLaunchBytes, stream>>>(p);
 }
@@ -506,7 +530,8 @@ void launch_finish(const FwdParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.v_split));
   with_warps(p.v_split, [&](auto warps) {
     constexpr int kWarps = decltype(warps)::value;
-    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kUseWgmma<kWarps>>>(grid, p, stream);
+    launch_ring_kernel<kWarps, kStages, kda_recurrence_kernel<InitT, FinalT, kWarps, kStages, kUseWgmma<kWarps>>>(
+        grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
@@ -539,7 +564,7 @@ void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
                   static_cast<unsigned>(2 * p.scan_v_split));
   with_warps(p.scan_v_split, [&](auto warps) {
     constexpr int kWarps = decltype(warps)::value;
-    launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps, kUseWgmma<kWarps>>>(grid, p, stream);
+    launch_ring_kernel<kWarps, kStages, kda_segment_scan_kernel<kWarps, kStages, kUseWgmma<kWarps>>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_segment_scan_kernel");
 }

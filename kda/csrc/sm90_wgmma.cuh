@@ -21,6 +21,21 @@ __device__ __forceinline__ uint64_t smem_desc(const void* start, SmemSwizzle swi
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (static_cast<uint64_t>(swizzle) << 62);
 }
 
+// The same descriptor from its two 32-bit halves, so that a loop can keep the constant half and advance the
+// start address with one add: lo = start >> 4 (bits 0..13) | (lbo >> 4) << 16, hi = sbo >> 4 | swizzle << 30.
+// Adding (bytes >> 4) to lo moves the start while it stays inside shared memory's 256 KB (14 bits).
+__device__ __forceinline__ uint32_t smem_desc_lo(const void* start, uint32_t lbo = 16) {
+  return ((smem_addr(start) & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
+}
+constexpr uint32_t smem_desc_hi(SmemSwizzle swizzle, uint32_t sbo) {
+  return ((sbo & 0x3FFFF) >> 4) | (static_cast<uint32_t>(swizzle) << 30);
+}
+__device__ __forceinline__ uint64_t smem_desc(uint32_t lo, uint32_t hi) {
+  uint64_t desc;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
+  return desc;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
