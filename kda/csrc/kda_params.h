@@ -25,7 +25,7 @@ constexpr int kChunk = 16;     // tokens per chunk: keeps 2^{±G} inside bf16/fp
 // change no value.
 struct ChunkRecordLayout {
   static constexpr int kKdQdOffset = 0;                                    // Kd and Qd interleaved (record_kq)
-  static constexpr int kKrTOffset = kKdQdOffset + 2 * kChunk * kHeadDim * 2;  // bf16 [kHeadDim][kChunk]: (k̂ ⊙ 2^{Γ-G})ᵀ
+  static constexpr int kKrTOffset = kKdQdOffset + 4 * kChunk * kHeadDim;   // bf16 [kHeadDim][kChunk]: (k̂ ⊙ 2^{Γ-G})ᵀ
   static constexpr int kInvOffset = kKrTOffset + kChunk * kHeadDim * 2;    // bf16 [kChunk][kChunk]: (I + A)⁻¹
   static constexpr int kMqkOffset = kInvOffset + kChunk * kChunk * 2;      // bf16 [kChunk][kChunk]: lower(Qd Kiᵀ)
   static constexpr int kDecayOffset = kMqkOffset + kChunk * kChunk * 2;    // fp32 [kHeadDim]: 2^Γ

@@ -238,8 +238,8 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const uint64_t b = smem_desc(stage_desc_lo + (ChunkRecordLayout::kKdQdOffset + (ks / 4) * 4096 + (ks % 4) * 32) / 16,
-                                     kKqDescHi);
+        const int offset = ChunkRecordLayout::kKdQdOffset + (ks / 4) * 4096 + (ks % 4) * 32;  // k-slice ks
+        const uint64_t b = smem_desc(stage_desc_lo + offset / 16, kKqDescHi);
         if constexpr (kOutput) {
           wgmma_m64n32k16(po, s_frag[ks], b);
         } else {

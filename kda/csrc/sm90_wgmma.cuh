@@ -15,7 +15,9 @@ enum class SmemSwizzle : uint64_t { k128B = 1, k32B = 3 };
 // sbo: bytes between consecutive 8-row groups; lbo: bytes between K pieces of one swizzle atom width (unused
 // by the swizzled K-major layouts here, whose K slice fits in one atom). A 128-byte swizzle needs its atoms
 // 1024-byte aligned, a 32-byte one 256-byte aligned: the pattern is a function of the address bits.
-__device__ __forceinline__ uint64_t smem_desc(const void* start, SmemSwizzle swizzle, uint32_t sbo, uint32_t lbo = 16) {
+// (The kernels build descriptors from the halves below; this whole form serves tools/dev/wgmma_probe.cu.)
+__device__ __forceinline__ uint64_t smem_desc(const void* start, SmemSwizzle swizzle, uint32_t sbo,
+                                              uint32_t lbo = 16) {
   const uint64_t addr = smem_addr(start);
   return ((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (static_cast<uint64_t>(swizzle) << 62);
@@ -52,10 +54,6 @@ __device__ __forceinline__ void register_fence(float (&r)[kRows][kCols]) {
 #pragma unroll
     for (int j = 0; j < kCols; ++j) asm volatile("" : "+f"(r[i][j])::"memory");
   }
-}
-__device__ __forceinline__ void register_fence(uint32_t (&r)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // d[64 x 16] += a[64 x 16] · B, B = 16 (n) rows of 16 (k) at `b`. d[nt][i]: mma.sync accumulator of n-tile nt.
@@ -102,32 +100,6 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[4][4], const uint32_t
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
         "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
         "+f"(d[3][2]), "+f"(d[3][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
-
-// [s | o][64 x 144] += a[64 x 16] · B, B = 144 (n) rows of 16 (k) at `b`: columns 0..127 accumulate into s,
-// 128..143 into o (the state update and the output's second term share their A operand).
-__device__ __forceinline__ void wgmma_m64n144k16(float (&s)[16][4], float (&o)[2][4], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %77, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71}, "
-      "{%72, %73, %74, %75}, %76, p, 1, 1, 0;\n}\n"
-      : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]),
-        "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]),
-        "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]),
-        "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]), "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]),
-        "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3]), "+f"(s[8][0]), "+f"(s[8][1]), "+f"(s[8][2]),
-        "+f"(s[8][3]), "+f"(s[9][0]), "+f"(s[9][1]), "+f"(s[9][2]), "+f"(s[9][3]), "+f"(s[10][0]), "+f"(s[10][1]),
-        "+f"(s[10][2]), "+f"(s[10][3]), "+f"(s[11][0]), "+f"(s[11][1]), "+f"(s[11][2]), "+f"(s[11][3]),
-        "+f"(s[12][0]), "+f"(s[12][1]), "+f"(s[12][2]), "+f"(s[12][3]), "+f"(s[13][0]), "+f"(s[13][1]),
-        "+f"(s[13][2]), "+f"(s[13][3]), "+f"(s[14][0]), "+f"(s[14][1]), "+f"(s[14][2]), "+f"(s[14][3]),
-        "+f"(s[15][0]), "+f"(s[15][1]), "+f"(s[15][2]), "+f"(s[15][3]), "+f"(o[0][0]), "+f"(o[0][1]), "+f"(o[0][2]),
-        "+f"(o[0][3]), "+f"(o[1][0]), "+f"(o[1][1]), "+f"(o[1][2]), "+f"(o[1][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
