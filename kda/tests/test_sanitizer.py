@@ -1,7 +1,8 @@
 """compute-sanitizer memcheck and racecheck over a representative slice of forward calls (GPU).
 
 A child Python process runs small cases that reach the kernel's edge paths (a partial chunk, varlen with empty
-sequences, both state dtypes, no state, int32 cu_seqlens) under each tool; the test asserts exit code 0 and the
+sequences, both state dtypes, no state, int32 cu_seqlens) and, with forced plans, the 8-warp CTAs whose
+products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1) under each tool; the test asserts exit code 0 and the
 tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
 0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
 /usr/local/cuda/bin; where it is absent the test is skipped (with KDA_REQUIRE_GPU=1 it fails instead).
@@ -29,21 +30,29 @@ TIMEOUT_S = 900
 
 CHILD = textwrap.dedent(
     """
-    import torch, matrix, flash_kda
+    import contextlib, torch, matrix, flash_kda
+    from flash_kda import testing
+    automatic = contextlib.nullcontext
     cases = [
-        matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="bf16"),
-        matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="fp32"),
-        matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="bf16"),
-        matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="fp32", cu_seqlens_int32=True),
-        matrix.Case("adversarial", H=2, seqlens=(5, 17), state_io="no_state"),
-        matrix.Case("batched", H=1, B=2, T=20, state_io="out_only", state_dtype="fp32"),
+        (matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="bf16"), automatic),
+        (matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="fp32"), automatic),
+        (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="bf16"), automatic),
+        (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="fp32", cu_seqlens_int32=True),
+         automatic),
+        (matrix.Case("adversarial", H=2, seqlens=(5, 17), state_io="no_state"), automatic),
+        (matrix.Case("batched", H=1, B=2, T=20, state_io="out_only", state_dtype="fp32"), automatic),
+        # 8-warp CTAs (wgmma): the finishing pass unsplit, then a time split whose scan runs them too.
+        (matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="bf16"), lambda: testing.force_plan(v_split=1)),
+        (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 90, 0), state_dtype="fp32"),
+         lambda: testing.force_plan(v_split=1, segment_chunks=2, scan_v_split=1)),
     ]
     names = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound",
              "initial_state", "final_state", "cu_seqlens")
-    for case in cases:
+    for case, plan in cases:
         # Inputs made on the CPU: fewer foreign kernels under the sanitizer.
         x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
-        flash_kda.fwd(**{n: x[n] for n in names})
+        with plan():
+            flash_kda.fwd(**{n: x[n] for n in names})
         torch.cuda.synchronize()
         print("ran", case.id, flush=True)
     """
@@ -77,4 +86,4 @@ def test_compute_sanitizer(tool: str) -> None:
     assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
     assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
     ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
-    assert len(ran) == 6, f"only {len(ran)} of 6 cases ran under {tool}:\n{tail}"
+    assert len(ran) == 8, f"only {len(ran)} of 8 cases ran under {tool}:\n{tail}"
