@@ -135,6 +135,8 @@ PYBIND11_MODULE(_C, m) {
       "segment_chunks >= 0 fixes the time split (0: none) and chooses the V splits for it.");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
+  m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),
+        "Whether fwd's state update adds bf16(U - bf16(U))·Kr after bf16(U)·Kr for this lower_bound (slow decay).");
   m.def(
       "ex2_approx",
       [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {

@@ -26,6 +26,7 @@
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/kda_plan.h"
 #include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/sm90_wgmma.cuh"
 #include "kda/csrc/smem_opt_in.h"
@@ -117,7 +118,8 @@ __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
 // kValues: the value rows enter (state rows); transition rows (the map M of the time split) see v = 0.
 // kWgmma: the products as warpgroup wgmma (kWarps a multiple of 4) instead of per-warp mma.sync; the same
 // products in the same order, rounded the same way (docs/KERNEL.md), so no bit changes.
-template <int kWarps, int kStages, bool kOutput, bool kValues, bool kWgmma>
+// kHiLo: the state update adds bf16(Uᵀ − bf16(Uᵀ))·Kr after bf16(Uᵀ)·Kr (slow decay, kda_plan.h).
+template <int kWarps, int kStages, bool kOutput, bool kValues, bool kWgmma, bool kHiLo>
 __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                            const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
                                            StateRows& s) {
@@ -307,6 +309,13 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     }
     uint32_t u_frag[4];
     acc_to_a_frag(u_frag, u[0], u[1]);
+    uint32_t u_lo_frag[4];  // bf16(Uᵀ − U_hi), same fragment layout (the difference is exact in fp32)
+    if constexpr (kHiLo) {
+      u_lo_frag[0] = pack_lo_bf16x2(u[0][0], u[0][1], u_frag[0]);
+      u_lo_frag[1] = pack_lo_bf16x2(u[0][2], u[0][3], u_frag[1]);
+      u_lo_frag[2] = pack_lo_bf16x2(u[1][0], u[1][1], u_frag[2]);
+      u_lo_frag[3] = pack_lo_bf16x2(u[1][2], u[1][3], u_frag[3]);
+    }
 
     // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = Krᵀ's rows; then (issued after, so
     // that the next step's chain starts as early as possible) Oᵀ += bf16(Uᵀ)·Mqkᵀ.
@@ -315,7 +324,9 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
       register_fence(s);
       register_fence(po);
       wgmma_fence();
-      wgmma_m64n128k16(s, u_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kKrTOffset / 16, kNarrowDescHi));
+      const uint64_t kr_desc = smem_desc(stage_desc_lo + ChunkRecordLayout::kKrTOffset / 16, kNarrowDescHi);
+      wgmma_m64n128k16(s, u_frag, kr_desc);
+      if constexpr (kHiLo) wgmma_m64n128k16(s, u_lo_frag, kr_desc);
       // INV's and Mqk's rows as one 32-row operand: the INV half lands in the spent Pᵀ accumulators.
       if constexpr (kOutput) {
         wgmma_m64n32k16(po, u_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kInvOffset / 16, kNarrowDescHi));
@@ -333,6 +344,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
         for (int j = 0; j < 2; ++j) {
           const uint32_t b[2] = {kr_frag[2 * j], kr_frag[2 * j + 1]};
           mma_bf16_16816(s[2 * pair + j], u_frag, b);
+          if constexpr (kHiLo) mma_bf16_16816(s[2 * pair + j], u_lo_frag, b);
         }
       }
       if (kOutput) {
@@ -369,7 +381,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 // The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
 // and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
 // whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
-template <typename InitT, typename FinalT, int kWarps, int kStages, bool kWgmma>
+template <typename InitT, typename FinalT, int kWarps, int kStages, bool kWgmma, bool kHiLo>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps, kStages>;
   const int h = blockIdx.y;
@@ -421,7 +433,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     fill_rows(s, 0.f);
   }
 
-  run_chunks<kWarps, kStages, true, true, kWgmma>(p, smem, full, n, h, bounds, c0, count, v_base, s);
+  run_chunks<kWarps, kStages, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
 
   if (last && p.final_state != nullptr) {
     store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
@@ -432,7 +444,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 // the same records: from zero with the values (its end state Q) and from the identity without them (the
 // transition map M, as rows: row i is e_i carried through the segment). Both go to the window's storage: Q in
 // fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
-template <int kWarps, int kStages, bool kWgmma>
+template <int kWarps, int kStages, bool kWgmma, bool kHiLo>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps, kStages>;
   const int L = p.segment_chunks;
@@ -469,7 +481,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[nt][i] = (v_base + gi + 8 * (i >> 1) == 8 * nt + 2 * ti + (i & 1)) ? 1.f : 0.f;
     }
-    run_chunks<kWarps, kStages, false, false, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, kStages, false, false, kWgmma, kHiLo>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     // Rows v_base.. of M are k-step v_base / 16 of the composition's B operand (k = input state column i,
     // n = output column): b0 of lane (g, t) is (M[16ks + 2t][8nt + g], M[16ks + 2t + 1][8nt + g]), the
     // transpose of this lane's accumulator block, hence movmatrix.
@@ -492,7 +504,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
     }
   } else {
     fill_rows(s, 0.f);
-    run_chunks<kWarps, kStages, false, true, kWgmma>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, kStages, false, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     store_rows(reinterpret_cast<float*>(data + WindowLayout::kNextOffset), s, v_base, gi, ti);
   }
 }
@@ -505,16 +517,22 @@ void launch_ring_kernel(const dim3& grid, const FwdParams& p, cudaStream_t strea
   kKernel<<<grid, kWarps * 32, Smem::kLaunchBytes, stream>>>(p);
 }
 
-// CTAs of 128 / v_split rows, i.e. 8 / v_split warps.
-template <typename Launch>
-void with_warps(int v_split, Launch launch) {
+template <typename HiLo, typename Launch>
+void with_warps_and(int v_split, HiLo hi_lo, Launch launch) {
   switch (v_split) {
-    case 1: return launch(std::integral_constant<int, 8>{});
-    case 2: return launch(std::integral_constant<int, 4>{});
-    case 4: return launch(std::integral_constant<int, 2>{});
-    case 8: return launch(std::integral_constant<int, 1>{});
+    case 1: return launch(std::integral_constant<int, 8>{}, hi_lo);
+    case 2: return launch(std::integral_constant<int, 4>{}, hi_lo);
+    case 4: return launch(std::integral_constant<int, 2>{}, hi_lo);
+    case 8: return launch(std::integral_constant<int, 1>{}, hi_lo);
     default: throw std::invalid_argument("flash_kda: v_split must be 1, 2, 4 or 8, got " + std::to_string(v_split));
   }
+}
+
+// CTAs of 128 / v_split rows, i.e. 8 / v_split warps, and the state update of the call's lower bound.
+template <typename Launch>
+void with_warps(int v_split, float lower_bound, Launch launch) {
+  if (hi_lo_state_update(lower_bound)) return with_warps_and(v_split, std::true_type{}, launch);
+  return with_warps_and(v_split, std::false_type{}, launch);
 }
 
 // Which CTAs run their products as wgmma: those of two warpgroups, which share an SM's tensor cores and are
@@ -528,10 +546,11 @@ template <typename InitT, typename FinalT>
 void launch_finish(const FwdParams& p, cudaStream_t stream) {
   const int64_t columns = pass_columns(p).finish;
   const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.v_split));
-  with_warps(p.v_split, [&](auto warps) {
+  with_warps(p.v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
     constexpr int kWarps = decltype(warps)::value;
-    launch_ring_kernel<kWarps, kStages, kda_recurrence_kernel<InitT, FinalT, kWarps, kStages, kUseWgmma<kWarps>>>(
-        grid, p, stream);
+    constexpr bool kHiLo = decltype(hi_lo)::value;
+    launch_ring_kernel<kWarps, kStages,
+                       kda_recurrence_kernel<InitT, FinalT, kWarps, kStages, kUseWgmma<kWarps>, kHiLo>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
@@ -562,9 +581,11 @@ void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
   // z: the M parts, then the Q parts (scan_v_split CTAs each).
   const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads),
                   static_cast<unsigned>(2 * p.scan_v_split));
-  with_warps(p.scan_v_split, [&](auto warps) {
+  with_warps(p.scan_v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
     constexpr int kWarps = decltype(warps)::value;
-    launch_ring_kernel<kWarps, kStages, kda_segment_scan_kernel<kWarps, kStages, kUseWgmma<kWarps>>>(grid, p, stream);
+    constexpr bool kHiLo = decltype(hi_lo)::value;
+    launch_ring_kernel<kWarps, kStages, kda_segment_scan_kernel<kWarps, kStages, kUseWgmma<kWarps>, kHiLo>>(grid, p,
+                                                                                                          stream);
   });
   KDA_CHECK_LAUNCH("kda_segment_scan_kernel");
 }

@@ -6,8 +6,8 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
 - ``varlen``: cu_seqlens with VARLEN_SEQLENS × H {1, 4, 96} × state configuration.
 - ``batched``: B > 1 with (B, T) in BATCHED_BT × H {1, 4, 96} × state configuration.
 - ``long_context``: T 131072 and 1048576 (H = 1), varlen [131072] and [524288, 524288]; in+out bf16 state.
-- ``adversarial``: extreme gates, biases and beta logits, near-collinear keys, lower_bound at both ends,
-  zero-length sequences, T = 0, int32 cu_seqlens, in-place state.
+- ``adversarial``: extreme gates, biases and beta logits, near-collinear keys, lower_bound at both ends and on
+  both sides of the slow-decay threshold, zero-length sequences, T = 0, int32 cu_seqlens, in-place state.
 - ``forced_vsplit``: every case of the slices above except smoke and long_context again, with the
   recurrence's V split forced (``flash_kda.testing.force_plan``) to 1, 2, 4 or 8 in turn, so every split runs
   on every kind of shape (the automatic choice gives H96 split 1, H32 split 4, H1/H4 split 8).
@@ -199,6 +199,11 @@ def _adversarial() -> list[Case]:
     for lb in (-5.0, -1e-3, 0.0):
         cases.append(Case("adversarial", H=4, T=256, lower_bound=lb))
         cases.append(Case("adversarial", H=4, T=256, lower_bound=lb, inputs="g=+8", state_dtype="fp32"))
+    # Both sides of the slow-decay state update's threshold (kda_plan.h, hi_lo_state_update), on the 8-warp
+    # (wgmma) CTAs of H = 96 and the smaller ones of H = 32.
+    for lb in (-4.0, -3.99, -0.01):
+        cases.append(Case("adversarial", H=96, T=97, lower_bound=lb))
+    cases.append(Case("adversarial", H=32, seqlens=(17, 33, 65), lower_bound=-0.5, state_dtype="fp32"))
     for seqlens in ((0, 16, 0, 33, 0), (0,), (0, 0), (5, 0), (0, 1), (1,), (16, 0, 17)):
         for io, dt in _state_configs():
             cases.append(Case("adversarial", H=4, seqlens=seqlens, state_io=io, state_dtype=dt))

@@ -37,6 +37,9 @@ class Arithmetic:
     sigmoid: Callable[[torch.Tensor], torch.Tensor]
     operand: Callable[[torch.Tensor], torch.Tensor]  # rounding of a tensor-core operand
     matmul: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]  # c + a @ b
+    # Whether the state update also adds the low half of Uᵀ's rounding (the kernel's slow-decay rule); with
+    # fp32 operands there is no rounding to add.
+    hi_lo_update: Callable[[float], bool] = lambda lower_bound: False
 
 
 def _fp32_matmul(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -59,6 +62,7 @@ def kernel_arithmetic() -> Arithmetic:
         sigmoid=_ext.sigmoid_approx,
         operand=lambda x: x.to(torch.bfloat16),
         matmul=mma,
+        hi_lo_update=lambda lower_bound: bool(_ext.load().hi_lo_state_update(float(lower_bound))),
     )
 
 
@@ -175,7 +179,8 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
         inv[..., i, :] = eye[i] - acc
     causal = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device))
     mqk = torch.where(causal, m_full, torch.zeros_like(m_full))
-    return dict(kd=kd, qd=qd, kr=kr, inv=ar.operand(inv), mqk=ar.operand(mqk), decay=decay, beta=beta_act, v=vc)
+    return dict(kd=kd, qd=qd, kr=kr, inv=ar.operand(inv), mqk=ar.operand(mqk), decay=decay, beta=beta_act, v=vc,
+                hi_lo=ar.hi_lo_update(lower_bound))
 
 
 def _run_units(prep: dict, states: torch.Tensor, first_chunk: list, counts: list, ar: Arithmetic,
@@ -209,13 +214,17 @@ def _run_units(prep: dict, states: torch.Tensor, first_chunk: list, counts: list
         s_op = ar.operand(s_a)  # [U, H, R, K]
         p_t = ar.matmul(s_op, kd.transpose(-1, -2), None)  # Pᵀ [U, H, R, 16]
         w_t = beta_c[..., None, :] * (v_t - p_t)
-        u_t = ar.operand(ar.matmul(ar.operand(w_t), inv.transpose(-1, -2), None))
+        u_full = ar.matmul(ar.operand(w_t), inv.transpose(-1, -2), None)
+        u_t = ar.operand(u_full)
         if out_chunks is not None:
             qd, mqk = prep["qd"][chunk_ids], prep["mqk"][chunk_ids]
             o_t = ar.matmul(s_op, qd.transpose(-1, -2), None)
             o_t = ar.matmul(u_t, mqk.transpose(-1, -2), o_t)
             out_chunks[chunk_ids] = o_t.transpose(-1, -2).to(torch.bfloat16)
-        states[units] = ar.matmul(u_t, kr, s_a * decay[..., None, :])
+        s_new = ar.matmul(u_t, kr, s_a * decay[..., None, :])
+        if prep["hi_lo"]:  # slow decay: + bf16(Uᵀ − U_hi)·Kr, after (kda_plan.h, hi_lo_state_update)
+            s_new = ar.matmul(ar.operand(u_full - u_t.float()), kr, s_new)
+        states[units] = s_new
     return states
 
 
