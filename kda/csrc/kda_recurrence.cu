@@ -37,8 +37,8 @@ namespace {
 // Chunks in flight: hides the record's trip from HBM/L2 behind ~3 steps (6 and 8 measured slower: docs/KERNEL.md).
 constexpr int kStages = 4;
 
-// Shared-memory ring of kStages stages of one CTA that owns kWarps * 16 state rows.
-template <int kWarps, int kStages>
+// Shared-memory ring of one CTA that owns kWarps * 16 state rows.
+template <int kWarps>
 struct RecurrenceSmem {
   static constexpr int kRows = kWarps * 16;
   // Value rows [token c][v of this CTA], padded by 16 bytes so the 8 rows an ldmatrix phase reads sit in
@@ -101,9 +101,9 @@ __device__ __forceinline__ void fill_rows(StateRows& s, float value) {
 }
 
 // Sets up the CTA's stage barriers (once per CTA: a CTA runs one chunk range).
-template <int kWarps, int kStages>
+template <int kWarps>
 __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + RecurrenceSmem<kWarps, kStages>::kBarrierOffset);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + RecurrenceSmem<kWarps>::kBarrierOffset);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) mbarrier_init(&full[st], 1);
@@ -119,11 +119,11 @@ __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
 // kWgmma: the products as warpgroup wgmma (kWarps a multiple of 4) instead of per-warp mma.sync; the same
 // products in the same order, rounded the same way (docs/KERNEL.md), so no bit changes.
 // kHiLo: the state update adds bf16(Uᵀ − bf16(Uᵀ))·Kr after bf16(Uᵀ)·Kr (slow decay, kda_plan.h).
-template <int kWarps, int kStages, bool kOutput, bool kValues, bool kWgmma, bool kHiLo>
+template <int kWarps, bool kOutput, bool kValues, bool kWgmma, bool kHiLo>
 __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                            const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
                                            StateRows& s) {
-  using Smem = RecurrenceSmem<kWarps, kStages>;
+  using Smem = RecurrenceSmem<kWarps>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
   const int local_v = warp * 16;  // this warp's first row inside the CTA's slice
@@ -381,9 +381,9 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 // The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
 // and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
 // whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
-template <typename InitT, typename FinalT, int kWarps, int kStages, bool kWgmma, bool kHiLo>
+template <typename InitT, typename FinalT, int kWarps, bool kWgmma, bool kHiLo>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
-  using Smem = RecurrenceSmem<kWarps, kStages>;
+  using Smem = RecurrenceSmem<kWarps>;
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 
   extern __shared__ __align__(128) uint8_t dynamic_smem[];
   uint8_t* smem = aligned_ring(dynamic_smem);
-  uint64_t* full = init_ring<kWarps, kStages>(smem);
+  uint64_t* full = init_ring<kWarps>(smem);
 
   const int L = p.segment_chunks;
   int64_t n = blockIdx.x, j = 0;  // sequence and segment of this CTA column (kda_params.h, pass_columns)
@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
     fill_rows(s, 0.f);
   }
 
-  run_chunks<kWarps, kStages, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
+  run_chunks<kWarps, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
 
   if (last && p.final_state != nullptr) {
     store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
@@ -444,9 +444,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 // the same records: from zero with the values (its end state Q) and from the identity without them (the
 // transition map M, as rows: row i is e_i carried through the segment). Both go to the window's storage: Q in
 // fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
-template <int kWarps, int kStages, bool kWgmma, bool kHiLo>
+template <int kWarps, bool kWgmma, bool kHiLo>
 __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const FwdParams p) {
-  using Smem = RecurrenceSmem<kWarps, kStages>;
+  using Smem = RecurrenceSmem<kWarps>;
   const int L = p.segment_chunks;
   int64_t n, j, window;  // the scanned segment of this CTA column (kda_params.h, pass_columns)
   if (p.cu_seqlens == nullptr) {
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
 
   extern __shared__ __align__(128) uint8_t dynamic_smem[];
   uint8_t* smem = aligned_ring(dynamic_smem);
-  uint64_t* full = init_ring<kWarps, kStages>(smem);
+  uint64_t* full = init_ring<kWarps>(smem);
 
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   uint8_t* data = window_data(p, window, h);
@@ -481,7 +481,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[nt][i] = (v_base + gi + 8 * (i >> 1) == 8 * nt + 2 * ti + (i & 1)) ? 1.f : 0.f;
     }
-    run_chunks<kWarps, kStages, false, false, kWgmma, kHiLo>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, false, false, kWgmma, kHiLo>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     // Rows v_base.. of M are k-step v_base / 16 of the composition's B operand (k = input state column i,
     // n = output column): b0 of lane (g, t) is (M[16ks + 2t][8nt + g], M[16ks + 2t + 1][8nt + g]), the
     // transpose of this lane's accumulator block, hence movmatrix.
@@ -504,15 +504,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_segment_scan_kernel(const 
     }
   } else {
     fill_rows(s, 0.f);
-    run_chunks<kWarps, kStages, false, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
+    run_chunks<kWarps, false, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, j * L, L, v_base, s);
     store_rows(reinterpret_cast<float*>(data + WindowLayout::kNextOffset), s, v_base, gi, ti);
   }
 }
 
-// Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps, kStages>) on `grid`.
-template <int kWarps, int kStages, auto kKernel>
+// Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps>) on `grid`.
+template <int kWarps, auto kKernel>
 void launch_ring_kernel(const dim3& grid, const FwdParams& p, cudaStream_t stream) {
-  using Smem = RecurrenceSmem<kWarps, kStages>;
+  using Smem = RecurrenceSmem<kWarps>;
   opt_in_dynamic_smem<kKernel>(Smem::kLaunchBytes);
   kKernel<<<grid, kWarps * 32, Smem::kLaunchBytes, stream>>>(p);
 }
@@ -549,8 +549,7 @@ void launch_finish(const FwdParams& p, cudaStream_t stream) {
   with_warps(p.v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
     constexpr int kWarps = decltype(warps)::value;
     constexpr bool kHiLo = decltype(hi_lo)::value;
-    launch_ring_kernel<kWarps, kStages,
-                       kda_recurrence_kernel<InitT, FinalT, kWarps, kStages, kUseWgmma<kWarps>, kHiLo>>(grid, p, stream);
+    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kUseWgmma<kWarps>, kHiLo>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
@@ -584,8 +583,7 @@ void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
   with_warps(p.scan_v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
     constexpr int kWarps = decltype(warps)::value;
     constexpr bool kHiLo = decltype(hi_lo)::value;
-    launch_ring_kernel<kWarps, kStages, kda_segment_scan_kernel<kWarps, kStages, kUseWgmma<kWarps>, kHiLo>>(grid, p,
-                                                                                                          stream);
+    launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps, kUseWgmma<kWarps>, kHiLo>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_segment_scan_kernel");
 }

@@ -15,16 +15,8 @@ enum class SmemSwizzle : uint64_t { k128B = 1, k32B = 3 };
 // sbo: bytes between consecutive 8-row groups; lbo: bytes between K pieces of one swizzle atom width (unused
 // by the swizzled K-major layouts here, whose K slice fits in one atom). A 128-byte swizzle needs its atoms
 // 1024-byte aligned, a 32-byte one 256-byte aligned: the pattern is a function of the address bits.
-// (The kernels build descriptors from the halves below; this whole form serves tools/dev/wgmma_probe.cu.)
-__device__ __forceinline__ uint64_t smem_desc(const void* start, SmemSwizzle swizzle, uint32_t sbo,
-                                              uint32_t lbo = 16) {
-  const uint64_t addr = smem_addr(start);
-  return ((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (static_cast<uint64_t>(swizzle) << 62);
-}
-
-// The same descriptor from its two 32-bit halves, so that a loop can keep the constant half and advance the
-// start address with one add: lo = start >> 4 (bits 0..13) | (lbo >> 4) << 16, hi = sbo >> 4 | swizzle << 30.
+// The descriptor from its two 32-bit halves, so that a loop can keep the constant half and advance the start
+// address with one add: lo = start >> 4 (bits 0..13) | (lbo >> 4) << 16, hi = sbo >> 4 | swizzle << 30.
 // Adding (bytes >> 4) to lo moves the start while it stays inside shared memory's 256 KB (14 bits).
 __device__ __forceinline__ uint32_t smem_desc_lo(const void* start, uint32_t lbo = 16) {
   return ((smem_addr(start) & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);

@@ -21,6 +21,11 @@
 #include "kda/csrc/sm90_wgmma.cuh"
 using namespace kda;
 
+// A whole descriptor from a shared-memory pointer (the kernels keep its halves: sm90_wgmma.cuh).
+__device__ __forceinline__ uint64_t smem_desc(const void* start, SmemSwizzle swizzle, uint32_t sbo) {
+  return smem_desc(smem_desc_lo(start), smem_desc_hi(swizzle, sbo));
+}
+
 // [s | o][64 x 144] += a[64 x 16] · B, B = 144 (n) rows of 16 (k) at `b`: columns 0..127 accumulate into s,
 // 128..143 into o (the state update and the output's second term share their A operand).
 __device__ __forceinline__ void wgmma_m64n144k16(float (&s)[16][4], float (&o)[2][4], const uint32_t (&a)[4], uint64_t b) {
