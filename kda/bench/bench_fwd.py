@@ -16,8 +16,9 @@ Printed (and written to --markdown): a speed table (median ms of CUDA-event timi
 an accuracy table (relative L2 error of out and final state against the float64 reference). --json holds every
 number and the run's metadata; --png is a bar chart of the three implementations per case.
 
-Cheap re-runs: --peers= (none) or --peers=fla, --cases / --case_names to pick rows, and --peer_json=EARLIER.json
-to fill the peer columns of rows not measured now from an earlier run (marked "(earlier run)").
+Cheap re-runs: --peers= (none) or --peers=fla, --cases / --case_names to pick rows (--state to run them in
+one state mode), and --peer_json=EARLIER.json to fill the peer columns of rows not measured now from an earlier
+run (marked "(earlier run)").
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ flags.DEFINE_string("markdown", None, "write the tables here, under a header lin
 flags.DEFINE_string("png", None, "write a bar chart of the three implementations here (needs matplotlib)")
 flags.DEFINE_integer("force_v_split", 0, "run our calls with this V split (flash_kda.testing.force_plan); 0: auto")
 flags.DEFINE_float("lower_bound", -5.0, "the gate lower bound of every case (SPEC: [-5, 0]; -0.01 decays slowly)")
+flags.DEFINE_enum("state", None, ["bf16", "fp32", "none"],
+                  "run every selected case in this state mode (default: each case's own); the case name says so")
 flags.DEFINE_integer("force_segment_chunks", -1,
                      "run our calls with this time split (chunks per segment; 0: none); -1: the automatic plan")
 
@@ -131,7 +134,18 @@ def select_cases() -> list[Case]:
         cases = [c for c in cases if any(s in c.name for s in FLAGS.case_names)]
     if not cases:
         raise app.UsageError(f"no case left after --cases={FLAGS.cases} --case_names={','.join(FLAGS.case_names)}")
+    if FLAGS.state is not None:
+        cases = [dataclasses.replace(c, name=_base_name(c) + STATE_SUFFIX[FLAGS.state], state=FLAGS.state)
+                 for c in cases]
     return cases
+
+
+STATE_SUFFIX = {"bf16": "", "fp32": " fp32 state", "none": " no state"}  # the grid's names: bf16 unlabelled
+
+
+def _base_name(case: Case) -> str:
+    suffix = STATE_SUFFIX[case.state]
+    return case.name[: -len(suffix)] if suffix and case.name.endswith(suffix) else case.name
 
 
 def iters_for(case: Case) -> int:
