@@ -65,6 +65,7 @@ LONG_TOKEN_HEADS = 16_000_000  # above this, fewer timed calls (each call takes 
 IMPLS = ("flash_kda", "fla", "moonshot")
 PEERS = IMPLS[1:]
 STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "none": None}
+STATE_SUFFIX = {"bf16": "", "fp32": " fp32 state", "none": " no state"}  # how case names label the mode
 STATE_NOTE = ("state bf16: bf16 initial + final state for flash_kda and moonshot, fp32 for fla (its measured "
               "configuration); fp32: fp32 for all three; none: no initial and no final state.")
 
@@ -140,12 +141,9 @@ def select_cases() -> list[Case]:
     return cases
 
 
-STATE_SUFFIX = {"bf16": "", "fp32": " fp32 state", "none": " no state"}  # the grid's names: bf16 unlabelled
-
-
 def _base_name(case: Case) -> str:
-    suffix = STATE_SUFFIX[case.state]
-    return case.name[: -len(suffix)] if suffix and case.name.endswith(suffix) else case.name
+    """The case's name without its state label."""
+    return case.name.removesuffix(STATE_SUFFIX[case.state])
 
 
 def iters_for(case: Case) -> int:
