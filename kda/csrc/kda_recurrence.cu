@@ -18,7 +18,6 @@
 // stores.
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -446,11 +445,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
 // transition map M, as rows: row i is e_i carried through the segment). Both go to the window's storage: Q in
 // fp32 rows, M split into bf16 hi + lo in the composition kernel's fragment order.
 //
-// kCtasPerSm: the register budget (__launch_bounds__) lets that many CTAs share an SM. Two 8-warp CTAs per SM
-// (128 registers, 32 bytes of spills) make each step slower but run a scan of more CTAs than SMs in one wave
-// instead of two (launch_segment_scan).
-template <int kWarps, bool kWgmma, bool kHiLo, int kCtasPerSm = 1>
-__global__ void __launch_bounds__(kWarps * 32, kCtasPerSm) kda_segment_scan_kernel(const FwdParams p) {
+// 8-warp scan CTAs get the register budget of two per SM (128 registers, 32 bytes of spills): each step is slower,
+// but the plan picks 8-warp scans only when they outnumber the SMs 1.5 to 1 (kda_plan.h, plan_with_segments), and
+// two per SM run them in one wave instead of two (H200, scan ms, one / two per SM: T32768 H8 0.176 / 0.155,
+// T1048576 H1 0.677 / 0.639). The finishing pass keeps one per SM: two were slower on every shape, multi-wave
+// batches included (B32 T512 H32 0.264 / 0.297; docs/KERNEL.md).
+template <int kWarps>
+constexpr int kScanCtasPerSm = kWarps == 8 ? 2 : 1;
+template <int kWarps, bool kWgmma, bool kHiLo>
+__global__ void __launch_bounds__(kWarps * 32, kScanCtasPerSm<kWarps>) kda_segment_scan_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;
   const int L = p.segment_chunks;
   int64_t n, j, window;  // the scanned segment of this CTA column (kda_params.h, pass_columns)
@@ -547,20 +550,6 @@ void with_warps(int v_split, float lower_bound, Launch launch) {
 template <int kWarps>
 constexpr bool kUseWgmma = kWarps == 8;
 
-// SMs of the current device (cached per device: the attribute query is a driver call).
-int sm_count_of_current_device() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices];
-  int device = 0;
-  KDA_CUDA_CHECK(cudaGetDevice(&device));
-  int count = device >= 0 && device < kMaxDevices ? counts[device].load(std::memory_order_relaxed) : 0;
-  if (count == 0) {
-    KDA_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    if (device >= 0 && device < kMaxDevices) counts[device].store(count, std::memory_order_relaxed);
-  }
-  return count;
-}
-
 template <typename InitT, typename FinalT>
 void launch_finish(const FwdParams& p, cudaStream_t stream) {
   const int64_t columns = pass_columns(p).finish;
@@ -599,20 +588,9 @@ void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
   // z: the M parts, then the Q parts (scan_v_split CTAs each).
   const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads),
                   static_cast<unsigned>(2 * p.scan_v_split));
-  // 8-warp CTAs fit once per SM at their natural register count; where the scan has more of them than SMs, the
-  // build that fits two per SM runs it in one wave (H200, scan ms, one / two per SM: T32768 H8 0.176 / 0.155,
-  // T1048576 H1 0.677 / 0.639). The finishing pass keeps one per SM: two were slower on every shape, multi-wave
-  // batches included (B32 T512 H32 0.264 / 0.297; docs/KERNEL.md).
-  const bool two_per_sm = static_cast<int64_t>(grid.x) * grid.y * grid.z > sm_count_of_current_device();
   with_warps(p.scan_v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
     constexpr int kWarps = decltype(warps)::value;
     constexpr bool kHiLo = decltype(hi_lo)::value;
-    if constexpr (kWarps == 8) {
-      if (two_per_sm) {
-        launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps, kUseWgmma<kWarps>, kHiLo, 2>>(grid, p, stream);
-        return;
-      }
-    }
     launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps, kUseWgmma<kWarps>, kHiLo>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_segment_scan_kernel");
