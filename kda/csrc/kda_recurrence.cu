@@ -13,7 +13,9 @@
 //   S   = S ⊙ 2^Γ + bf16(Uᵀ) · Kr     (fp32 accumulators)
 // Data movement: the copy engine brings each chunk's workspace record (one bulk copy; the record is already
 // the swizzled shared-memory image, kda_params.h) into a ring of kStages stages, completing on one mbarrier
-// per stage; each warp fetches its own slice of the 16 value rows with one cp.async per lane. Fragments come
+// per stage (issued by a producer warp in the finishing pass's CTAs of two warpgroups, which release each stage
+// on an "empty" mbarrier; the other CTAs refill behind a CTA barrier by warp 0); each warp fetches its own slice
+// of the 16 value rows with one cp.async per lane. Fragments come
 // out of shared memory with conflict-free ldmatrix, and outputs leave through movmatrix-transposed 4-byte
 // stores.
 #include <cuda_bf16.h>
@@ -48,7 +50,8 @@ struct RecurrenceSmem {
   // Stages start 1024-byte aligned: wgmma's 128-byte swizzle is a function of the address bits.
   static constexpr int kStageBytes = (kValueOffset + kChunk * kValueStride + 1023) / 1024 * 1024;
   static constexpr int kBarrierOffset = kStages * kStageBytes;
-  static constexpr int kBytes = kBarrierOffset + kStages * 8;
+  static constexpr int kEmptyOffset = kBarrierOffset + kStages * 8;  // used by CTAs with a producer warp
+  static constexpr int kBytes = kEmptyOffset + kStages * 8;
   static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the dynamic shared memory's start
 };
 
@@ -104,9 +107,13 @@ __device__ __forceinline__ void fill_rows(StateRows& s, float value) {
 template <int kWarps>
 __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + RecurrenceSmem<kWarps>::kBarrierOffset);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + RecurrenceSmem<kWarps>::kEmptyOffset);
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) mbarrier_init(&full[st], 1);
+    for (int st = 0; st < kStages; ++st) {
+      mbarrier_init(&full[st], 1);
+      mbarrier_init(&empty[st], kWarps);  // one arrival per consumer warp (CTAs with a producer warp)
+    }
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -117,13 +124,22 @@ __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
 // kOutput: compute and store the chunk outputs (the finishing pass); the scan pass only needs the end state.
 // kValues: the value rows enter (state rows); transition rows (the map M of the time split) see v = 0.
 // kWgmma: the products as warpgroup wgmma (kWarps a multiple of 4) instead of per-warp mma.sync; the same
-// products in the same order, rounded the same way (docs/KERNEL.md), so no bit changes.
+// products in the same order, rounded the same way (docs/KERNEL.md), so no bit changes. With kOutput too (the
+// finishing pass) the CTA has a producer warp for the records (produce_records).
+// Each product keeps its own order, so neither the step's schedule nor the ring's synchronisation changes a bit.
 // kHiLo: the state update adds bf16(Uᵀ − bf16(Uᵀ))·Kr after bf16(Uᵀ)·Kr (slow decay, kda_plan.h).
 template <int kWarps, bool kOutput, bool kValues, bool kWgmma, bool kHiLo>
 __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                            const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
                                            StateRows& s) {
   using Smem = RecurrenceSmem<kWarps>;
+  // CTAs of two warpgroups (the finishing pass) have a producer warp for the records and release each stage on
+  // its empty barrier, so the warpgroups never meet at a CTA barrier and their products interleave on the tensor
+  // cores; the others refill a stage after a CTA barrier placed while the tensor cores update S.
+  constexpr bool kProducer = kWgmma && kOutput;
+  // The 8-warp scan runs two CTAs per SM on 128 registers: bf16(S) in four parts and S ⊙ 2^Γ after Pᵀ, so that
+  // ptxas need not serialise the products (docs/KERNEL.md, v12).
+  constexpr bool kScanParts = kWgmma && !kOutput;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
   const int local_v = warp * 16;  // this warp's first row inside the CTA's slice
@@ -131,7 +147,8 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
   const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;  // elements between consecutive tokens
   const int64_t chunk_stride = kChunk * token_stride;                      // elements between consecutive chunks
 
-  // The copies run kStages - 1 chunks ahead of the math, in chunk order. Everything they address advances by
+  // The value rows run kStages - 1 chunks ahead of the math, the records as far as the ring allows (the producer
+  // warp) or kStages - 1 (warp 0), in chunk order. Everything they address advances by
   // a fixed stride per chunk, so the loop keeps running pointers instead of recomputing 64-bit products (the
   // bookkeeping between two steps sits on the step's dependent chain).
   const uint8_t* record_fill = static_cast<const uint8_t*>(p.workspace) +
@@ -145,14 +162,19 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
                                 h * kHeadDim + v_base;  // the chunk being filled, its first token
   const __nv_bfloat16* v_fill_lane = v_fill + fill_token * token_stride + 8 * fill_piece;  // this lane's piece
   const int fill_dst = Smem::kValueOffset + fill_token * Smem::kValueStride + 2 * (local_v + 8 * fill_piece);
-  int64_t rows_fill = len - c0 * kChunk;  // tokens from the chunk being filled to the end of the sequence
-  int64_t filled = 0;
+  // 32-bit step bookkeeping (registers are scarce in the two-per-SM scan): a sequence's chunk count and the
+  // tokens left are far below 2^31 for any tensor that fits in memory; the token count is clamped there anyway.
+  const int steps = static_cast<int>(count);
+  const int rows_total = static_cast<int>(min(len - c0 * kChunk, static_cast<int64_t>(INT32_MAX - kChunk)));
+  int rows_fill = rows_total;
+  int filled = 0;
   int fill_stage = 0;
-  // Issues the next chunk's copies into its stage; every warp commits one cp.async group per call.
+  // Issues the next chunk's copies into its stage (the record too without a producer warp); every warp commits
+  // one cp.async group per call.
   auto fill_next = [&]() {
-    if (filled < count) {
+    if (filled < steps) {
       uint8_t* stage = smem + fill_stage * Smem::kStageBytes;
-      if (warp == 0) fill_record(stage, &full[fill_stage], record_fill, lane);
+      if (!kProducer && warp == 0) fill_record(stage, &full[fill_stage], record_fill, lane);
       if (kValues) {
         const bool valid = fill_token < rows_fill;
         cp_async_16(stage + fill_dst, valid ? v_fill_lane : v_fill, valid ? 16 : 0);
@@ -180,18 +202,23 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
   __nv_bfloat16* out_chunk = static_cast<__nv_bfloat16*>(p.out) + (bounds.bos + c0 * kChunk + gi) * token_stride +
                              h * kHeadDim + v_base + 2 * ti;
   const int64_t out_tile = 8 * token_stride;
-  int64_t rows_math = len - c0 * kChunk;  // tokens from the chunk being computed to the end of the sequence
+  int rows_math = rows_total;  // tokens from the chunk being computed to the end of the sequence (clamped)
   // wgmma descriptors: the constant halves, and the ring's start address (a stage adds its offset >> 4).
   constexpr uint32_t kKqDescHi = smem_desc_hi(SmemSwizzle::k128B, 1024);  // Kd | Qd, 8-row groups 1 KB apart
   constexpr uint32_t kNarrowDescHi = smem_desc_hi(SmemSwizzle::k32B, 256);  // Krᵀ, INV | Mqk
   const uint32_t ring_desc_lo = smem_desc_lo(smem);
   int stage_index = 0;
   uint32_t phase = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    // Refill the stage the previous step released (the CTA barrier at the end of that step), then wait for
-    // this chunk: its value rows (this warp's own copies, the oldest of kStages groups) and its record.
-    fill_next();
-    cp_async_wait<kStages - 1>();
+  for (int i = 0; i < steps; ++i) {
+    // Wait for this chunk: its value rows (this warp's own copies, the oldest group in flight) and its record.
+    // With a producer warp, this warp first refills its value rows of the stage it used last step (no other
+    // warp reads them); without one, every refill happens later in the step, after a CTA barrier.
+    if constexpr (kProducer) {
+      fill_next();
+      cp_async_wait<kStages - 1>();
+    } else {
+      cp_async_wait<kStages - 2>();
+    }
     __syncwarp();
     const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
     mbarrier_wait_parity_warp(&full[stage_index], phase);
@@ -206,8 +233,10 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 
     // bf16(S) as A fragments, k-step ks covering state columns 16ks..16ks+15.
     uint32_t s_frag[kHeadDim / 16][4];
+    if constexpr (!kScanParts) {
 #pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) acc_to_a_frag(s_frag[ks], s[2 * ks], s[2 * ks + 1]);
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) acc_to_a_frag(s_frag[ks], s[2 * ks], s[2 * ks + 1]);
+    }
 
     // The operands of Wᵀ besides Pᵀ (the value rows, V = 0 for transition rows, and β), and S ⊙ 2^Γ, the first
     // term of the state update: with wgmma both run while the tensor cores compute Pᵀ, off the step's chain.
@@ -233,24 +262,45 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     // wgmma one product per k-step covers both (Kd's and Qd's rows are one 32-row operand).
     float po[4][4] = {};
     if constexpr (kWgmma) {
-      load_w_operands();
-      decay_state();
+      if constexpr (!kScanParts) {
+        load_w_operands();
+        decay_state();
+      }
       register_fence(s);
       register_fence(po);
-      wgmma_fence();
+      // The two-per-SM scan converts a quarter of bf16(S) at a time and waits for its products (four round trips
+      // instead of eight serialised ones: 32 fragment registers beside S and its factors do not fit in 128).
+      constexpr int kPParts = kScanParts ? 4 : 1;
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const int offset = ChunkRecordLayout::kKdQdOffset + (ks / 4) * 4096 + (ks % 4) * 32;  // k-slice ks
-        const uint64_t b = smem_desc(stage_desc_lo + offset / 16, kKqDescHi);
-        if constexpr (kOutput) {
-          wgmma_m64n32k16(po, s_frag[ks], b);
-        } else {
-          wgmma_m64n16k16(*reinterpret_cast<float(*)[2][4]>(&po[0]), s_frag[ks], b);
+      for (int part = 0; part < kPParts; ++part) {
+        constexpr int kSlices = kHeadDim / 16 / kPParts;
+        if constexpr (kScanParts) {
+#pragma unroll
+          for (int k = 0; k < kSlices; ++k) {
+            const int ks = part * kSlices + k;
+            acc_to_a_frag(s_frag[ks], s[2 * ks], s[2 * ks + 1]);
+          }
         }
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kSlices; ++k) {
+          const int ks = part * kSlices + k;
+          const int offset = ChunkRecordLayout::kKdQdOffset + (ks / 4) * 4096 + (ks % 4) * 32;  // k-slice ks
+          const uint64_t b = smem_desc(stage_desc_lo + offset / 16, kKqDescHi);
+          if constexpr (kOutput) {
+            wgmma_m64n32k16(po, s_frag[ks], b);
+          } else {
+            wgmma_m64n16k16(*reinterpret_cast<float(*)[2][4]>(&po[0]), s_frag[ks], b);
+          }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        register_fence(po);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      register_fence(po);
+      if constexpr (kScanParts) {
+        load_w_operands();
+        decay_state();
+      }
     } else {
       const auto* kq_bf16 = reinterpret_cast<const __nv_bfloat16*>(kq);
 #pragma unroll
@@ -317,24 +367,56 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
       u_lo_frag[3] = pack_lo_bf16x2(u[1][2], u[1][3], u_frag[3]);
     }
 
-    // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = Krᵀ's rows; then (issued after, so
-    // that the next step's chain starts as early as possible) Oᵀ += bf16(Uᵀ)·Mqkᵀ.
+    // S = S ⊙ 2^Γ + bf16(Uᵀ)·Kr: B(k = c, n = state column) = Kr[c][col] = Krᵀ's rows; and Oᵀ += bf16(Uᵀ)·Mqkᵀ
+    // (mma.sync: issued after, so that the next step's chain starts as early as possible; wgmma: first, in a
+    // group of its own, so that the output stores overlap the state update).
     if constexpr (!kWgmma) decay_state();
+    // out[token][h][v] from Oᵀ: each 8x8 bf16 block is transposed in registers so a lane stores two adjacent
+    // v of one token.
+    auto store_outputs = [&]() {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t block = movmatrix_trans(pack_bf16x2(po[2 + nt][2 * half], po[2 + nt][2 * half + 1]));
+          if (8 * nt + gi < rows_math) {  // token 8nt + gi of the chunk
+            *reinterpret_cast<uint32_t*>(out_chunk + nt * out_tile + 8 * half) = block;
+          }
+        }
+      }
+    };
     if constexpr (kWgmma) {
       register_fence(s);
       register_fence(po);
       wgmma_fence();
       const uint64_t kr_desc = smem_desc(stage_desc_lo + ChunkRecordLayout::kKrTOffset / 16, kNarrowDescHi);
+      if constexpr (kProducer) {
+        // Oᵀ += bf16(Uᵀ)·Mqkᵀ first, in a group of its own, so that its stores run while the tensor cores update
+        // S. INV's and Mqk's rows are one 32-row operand: the INV half lands in the spent Pᵀ accumulators.
+        wgmma_m64n32k16(po, u_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kInvOffset / 16, kNarrowDescHi));
+        wgmma_commit();
+      }
       wgmma_m64n128k16(s, u_frag, kr_desc);
       if constexpr (kHiLo) wgmma_m64n128k16(s, u_lo_frag, kr_desc);
-      // INV's and Mqk's rows as one 32-row operand: the INV half lands in the spent Pᵀ accumulators.
-      if constexpr (kOutput) {
-        wgmma_m64n32k16(po, u_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kInvOffset / 16, kNarrowDescHi));
-      }
       wgmma_commit();
+      if constexpr (kProducer) {
+        wgmma_wait<1>();
+        register_fence(po);
+        store_outputs();
+      } else {
+        // While the tensor cores update S: every warp has finished the previous step (it waited for that step's
+        // products before this one), so the stage of that step is free to refill.
+        __syncthreads();
+        fill_next();
+      }
       wgmma_wait<0>();
       register_fence(s);
       register_fence(po);
+      if constexpr (kProducer) {
+        // The products above were this stage's last readers: release it to the producer warp.
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&full[kStages + stage_index]);  // its empty barrier (kEmptyOffset)
+      }
     } else {
 #pragma unroll
       for (int pair = 0; pair < kHeadDim / 16; ++pair) {
@@ -354,35 +436,47 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
           mma_bf16_16816(po[2 + nt], u_frag, b);
         }
       }
+      // The state update's mma.sync are in flight: refill the previous step's stage meanwhile.
+      __syncthreads();
+      fill_next();
     }
 
-    if (kOutput) {
-      // out[token][h][v] from Oᵀ: each 8x8 bf16 block is transposed in registers so a lane stores two adjacent
-      // v of one token.
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const uint32_t block = movmatrix_trans(pack_bf16x2(po[2 + nt][2 * half], po[2 + nt][2 * half + 1]));
-          if (8 * nt + gi < rows_math) {  // token 8nt + gi of the chunk
-            *reinterpret_cast<uint32_t*>(out_chunk + nt * out_tile + 8 * half) = block;
-          }
-        }
-      }
-    }
+    if constexpr (kOutput && !kProducer) store_outputs();
     out_chunk += chunk_stride;
     rows_math -= kChunk;
     stage_index = stage_index + 1 == kStages ? 0 : stage_index + 1;
     phase ^= stage_index == 0 ? 1u : 0u;
-    __syncthreads();  // every warp is done with this stage before warp 0 refills it
+  }
+}
+
+// The producer warp of a two-warpgroup finishing CTA (its lane 0): the records of chunks c0 .. c0 + count - 1
+// into the ring, each stage refilled once all 8 consumer warps released it on its empty barrier.
+template <int kWarps>
+__device__ __forceinline__ void produce_records(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
+                                                const SeqBounds& bounds, int64_t c0, int64_t count) {
+  using Smem = RecurrenceSmem<kWarps>;
+  uint64_t* empty = full + kStages;  // RecurrenceSmem::kEmptyOffset
+  const uint8_t* record = static_cast<const uint8_t*>(p.workspace) +
+                          (static_cast<size_t>(first_slot(bounds.bos, n) + c0) * p.heads + h) *
+                              static_cast<size_t>(ChunkRecordLayout::kBytes);
+  const size_t record_stride = static_cast<size_t>(p.heads) * ChunkRecordLayout::kBytes;
+  const int steps = static_cast<int>(count);
+  for (int c = 0; c < steps; ++c) {
+    const int st = c % kStages;
+    if (c >= kStages) mbarrier_wait_parity(&empty[st], ((c / kStages) - 1) & 1);
+    mbarrier_arrive_expect_tx(&full[st], ChunkRecordLayout::kBytes);
+    bulk_copy_g2s(smem + st * Smem::kStageBytes, record, ChunkRecordLayout::kBytes, &full[st]);
+    record += record_stride;
   }
 }
 
 // The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
 // and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
 // whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
+template <int kWarps, bool kWgmma>
+constexpr int kFinishThreads = (kWarps + (kWgmma ? 1 : 0)) * 32;  // the wgmma CTAs add a producer warp
 template <typename InitT, typename FinalT, int kWarps, bool kWgmma, bool kHiLo>
-__global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurrence_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -423,6 +517,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) kda_recurrence_kernel(const Fw
       split_start = reinterpret_cast<const float*>(
           j == 0 ? window_data(p, window_of(bounds.bos, n, 0, L), h) + WindowLayout::kFirstOffset
                  : window_data(p, window_of(bounds.bos, n, j - 1, L), h) + WindowLayout::kNextOffset);
+    }
+  }
+  if constexpr (kWgmma) {
+    if (warp == kWarps) {  // the producer warp
+      if (lane == 0) produce_records<kWarps>(p, smem, full, n, h, bounds, c0, count);
+      return;
     }
   }
   if (split_start != nullptr) {
@@ -518,11 +618,11 @@ __global__ void __launch_bounds__(kWarps * 32, kScanCtasPerSm<kWarps>) kda_segme
 }
 
 // Launches kKernel (a CTA of kWarps warps and RecurrenceSmem<kWarps>) on `grid`.
-template <int kWarps, auto kKernel>
+template <int kWarps, auto kKernel, int kThreads = kWarps * 32>
 void launch_ring_kernel(const dim3& grid, const FwdParams& p, cudaStream_t stream) {
   using Smem = RecurrenceSmem<kWarps>;
   opt_in_dynamic_smem<kKernel>(Smem::kLaunchBytes);
-  kKernel<<<grid, kWarps * 32, Smem::kLaunchBytes, stream>>>(p);
+  kKernel<<<grid, kThreads, Smem::kLaunchBytes, stream>>>(p);
 }
 
 template <typename HiLo, typename Launch>
@@ -557,7 +657,9 @@ void launch_finish(const FwdParams& p, cudaStream_t stream) {
   with_warps(p.v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
     constexpr int kWarps = decltype(warps)::value;
     constexpr bool kHiLo = decltype(hi_lo)::value;
-    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kUseWgmma<kWarps>, kHiLo>>(grid, p, stream);
+    constexpr bool kWgmma = kUseWgmma<kWarps>;
+    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo>,
+                       kFinishThreads<kWarps, kWgmma>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
