@@ -32,30 +32,29 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// One poll: whether the phase of `bar` with the given parity has completed (try_wait may also block briefly).
+__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // Waits, as one thread, for the phase of `bar` with the given parity to complete.
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (done == 0);
+  while (!mbarrier_try_wait_parity(bar, parity)) {
+  }
 }
 
 // Waits, as a whole warp, for the phase of `bar` with the given parity to complete. The exit is warp-uniform
 // (a vote), so the warp-collective .aligned instructions that follow (ldmatrix, mma) run converged: a plain
 // per-lane poll can release lanes on different iterations, and the compiler may drop a __syncwarp after it.
 __device__ __forceinline__ void mbarrier_wait_parity_warp(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (!__all_sync(0xffffffffu, done != 0));
+  while (!__all_sync(0xffffffffu, mbarrier_try_wait_parity(bar, parity))) {
+  }
 }
 
 // ---- 1-D bulk copy global -> shared, completing on an mbarrier (16-byte aligned, size % 16 == 0) ---------
