@@ -58,6 +58,8 @@ flags.DEFINE_enum("state", None, ["bf16", "fp32", "none"],
                   "run every selected case in this state mode (default: each case's own); the case name says so")
 flags.DEFINE_integer("force_segment_chunks", -1,
                      "run our calls with this time split (chunks per segment; 0: none); -1: the automatic plan")
+flags.DEFINE_enum("force_single_pass", "auto", ["auto", "on", "off"],
+                  "run our calls under the single pass (on), the two stages (off) or the automatic plan")
 
 BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): SPEC §5
 HEAD_DIM = 128
@@ -173,6 +175,15 @@ def make_inputs(case: Case, device: str, seed: int = 0):
         init = init.to(torch.bfloat16).float()
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, init=init,
                 n=case.num_seqs)
+
+
+def forced_plan():
+    """flash_kda.testing.force_plan from the --force_* flags (a context manager)."""
+    from flash_kda import testing
+
+    single = {"auto": None, "on": True, "off": False}[FLAGS.force_single_pass]
+    return testing.force_plan(v_split=FLAGS.force_v_split, single_pass=single,
+                              segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks)
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -558,8 +569,7 @@ def main(argv: list[str]) -> None:
 
     from flash_kda import testing
 
-    forced = testing.force_plan(v_split=FLAGS.force_v_split,
-                                segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks)
+    forced = forced_plan()
     forced.__enter__()  # for the whole run (a benchmark of a forced plan: the per-case plan is in the JSON)
     rows = []
     t_run = time.time()

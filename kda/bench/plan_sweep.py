@@ -23,6 +23,7 @@ flags.DEFINE_list("segments", ["0", "32", "64", "128", "256"], "time splits to f
 flags.DEFINE_list("v_splits", ["1", "2", "4", "8"], "finishing-pass V splits to force")
 flags.DEFINE_list("scan_v_splits", ["1", "2", "4"], "scan-pass V splits to force (time-split plans only)")
 flags.DEFINE_integer("profile_iters", 5, "profiled calls per plan")
+flags.DEFINE_bool("single_pass", True, "also force the single pass (one kernel, no time split, v_split 1)")
 
 def main(argv: list[str]) -> None:
     del argv
@@ -34,8 +35,9 @@ def main(argv: list[str]) -> None:
     segments = [int(x) for x in FLAGS.segments]
     v_splits = [int(x) for x in FLAGS.v_splits]
     scan_v_splits = [int(x) for x in FLAGS.scan_v_splits]
-    print("| case | plan (v, scan v, L) | prepare | scan | compose | recurrence | other | sum ms |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| case | plan (v, scan v, L, single) | " + " | ".join(s.replace("_", " ") for s in STAGES) +
+          " | other | sum ms |")
+    print("|---|---|" + "---:|" * (len(STAGES) + 2))
     for case in bench_fwd.select_cases():
         inp = bench_fwd.make_inputs(case, "cuda")
         call, _ = bench_fwd.run_flash_kda(inp, case.state, bench_fwd.HEAD_DIM**-0.5, -5.0)
@@ -44,9 +46,15 @@ def main(argv: list[str]) -> None:
         for L, v in itertools.product(segments, v_splits):
             for sv in scan_v_splits if L else [0]:
                 plans.append(("forced", (v, L, sv)))
+        if FLAGS.single_pass:
+            plans.append(("forced", "single"))
         for label, forced in plans:
-            kwargs = {} if forced is None else {"v_split": forced[0], "segment_chunks": forced[1],
-                                                "scan_v_split": forced[2]}
+            if forced is None:
+                kwargs = {}
+            elif forced == "single":
+                kwargs = {"single_pass": True}
+            else:
+                kwargs = {"v_split": forced[0], "segment_chunks": forced[1], "scan_v_split": forced[2]}
             with testing.force_plan(**kwargs):
                 plan = flash_kda.plan(inp["q"], inp["cu_seqlens"])
                 t = stage_times(call, FLAGS.profile_iters)

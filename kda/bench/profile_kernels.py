@@ -35,14 +35,11 @@ def main(argv: list[str]) -> None:
     del argv
     if not torch.cuda.is_available():
         raise app.UsageError("profile_kernels needs a visible sm_90 GPU (H100/H200)")
-    print("| case | plan (v, scan v, L) | prepare ms | scan ms | compose ms | recurrence ms | other ms | "
-          "steps | recurrence µs per step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    from flash_kda import testing
-
+    print("| case | plan (v, scan v, L, single) | " + " | ".join(f"{s.replace('_', ' ')} ms" for s in STAGES) +
+          " | other ms | steps | recurrence µs per step |")
+    print("|---|---|" + "---:|" * (len(STAGES) + 4))
     cases = bench_fwd.select_cases()
-    forced = testing.force_plan(v_split=FLAGS.force_v_split,  # bench_fwd's --force_* flags
-                                segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks)
+    forced = bench_fwd.forced_plan()  # bench_fwd's --force_* flags
     forced.__enter__()
     for case in cases:
         t, plan = profile_case(case, FLAGS.iters)
@@ -50,7 +47,7 @@ def main(argv: list[str]) -> None:
         steps = -(-longest // 16)
         if plan.segment_chunks:
             steps = min(steps, plan.segment_chunks)  # the finishing pass runs one segment per CTA
-        rec = t.get("recurrence", 0.0)
+        rec = t.get("recurrence", 0.0) or t.get("single_pass", 0.0)
         cells = " | ".join(f"{t.get(stage, 0.0):.3f}" for stage in (*STAGES, "other"))
         print(f"| {case.name} | {tuple(plan)} | {cells} | {steps} | {1e3 * rec / steps:.2f} |",
               flush=True)

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-STAGES = ("prepare", "scan", "compose", "recurrence")  # kernel name fragments, in the order they run
+STAGES = ("prepare", "scan", "compose", "recurrence", "single_pass")  # kernel name fragments, in the order they run
 
 
 def stage_times(call: Callable[[], object], iters: int) -> dict[str, float]:

@@ -1,5 +1,6 @@
 // The KDA forward: the preparation kernel fills the workspace; with a time split the scan pass and the
-// composition turn it into every segment's start state; then the recurrence's finishing pass runs. All are
+// composition turn it into every segment's start state; then the recurrence's finishing pass runs. Or, under
+// a single-pass plan, one kernel does both stages and the workspace holds nothing. All are
 // enqueued on the caller's stream; nothing here synchronises or allocates.
 #include <cuda_runtime_api.h>
 
@@ -25,13 +26,21 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.segment_chunks < 0) {
     throw std::invalid_argument("flash_kda: segment_chunks must be >= 0, got " + std::to_string(p.segment_chunks));
   }
-  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks);
+  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks, p.single_pass);
   if (p.workspace_bytes < needed) {
     throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
                                 " bytes, the call needs " + std::to_string(needed));
   }
+  if (p.single_pass && (p.v_split != 1 || p.segment_chunks != 0)) {
+    throw std::invalid_argument("flash_kda: the single pass runs v_split 1 without a time split, got v_split " +
+                                std::to_string(p.v_split) + " and segment_chunks " + std::to_string(p.segment_chunks));
+  }
   launch_boundary_check(p, stream);
   if (p.num_seqs == 0 || p.heads == 0) return;
+  if (p.single_pass) {
+    launch_single_pass(p, stream);
+    return;
+  }
   const bool split = p.segment_chunks > 0;
   if (split && p.cu_seqlens != nullptr) {
     // All ones = "no scanned segment starts here"; the preparation kernel fills in the others.

@@ -18,6 +18,8 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream);
 void launch_segment_scan(const FwdParams& p, cudaStream_t stream);
 void launch_segment_compose(const FwdParams& p, cudaStream_t stream);
 void launch_recurrence(const FwdParams& p, cudaStream_t stream);
+// The single pass (plan.single_pass): preparation and recurrence in one kernel, no workspace (kda_recurrence.cu).
+void launch_single_pass(const FwdParams& p, cudaStream_t stream);
 
 // Records a malformed CUDA cu_seqlens in the device's error word (kda_checks.cu); no-op without one.
 void launch_boundary_check(const FwdParams& p, cudaStream_t stream);

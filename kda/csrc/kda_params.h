@@ -124,8 +124,11 @@ constexpr size_t window_table_bytes(int64_t total_tokens, int64_t num_seqs, int 
   return (raw + 127) / 128 * 128;
 }
 
-// Workspace: the chunk records, then (time split only) the window table and the per-(window, head) storage.
-constexpr size_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t heads, int segment_chunks) {
+// Workspace: the chunk records, then (time split only) the window table and the per-(window, head) storage;
+// nothing under a single-pass plan (its records never leave shared memory).
+constexpr size_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t heads, int segment_chunks,
+                                 bool single_pass = false) {
+  if (single_pass) return 0;
   size_t bytes = records_bytes(total_tokens, num_seqs, heads);
   if (segment_chunks > 0) {
     bytes += window_table_bytes(total_tokens, num_seqs, segment_chunks) +
@@ -177,6 +180,7 @@ struct FwdParams {
   int v_split;         // finishing-pass CTAs per (segment, head), each owning 128 / v_split state rows
   int scan_v_split;    // scan-pass CTAs per (scanned segment, head) and map (P or Q)
   int segment_chunks;  // chunks per time segment; 0: no time split
+  bool single_pass;    // one kernel prepares and runs each (sequence, head); needs v_split 1 and no time split
 };
 
 // Grid columns (grid.x) of the passes of a call, and so how a CTA column finds its work:

@@ -34,6 +34,7 @@ struct Plan {
   int v_split;         // finishing-pass CTAs per (segment, head)
   int scan_v_split;    // scan-pass CTAs per (scanned segment, head, map)
   int segment_chunks;  // 0: no time split
+  bool single_pass = false;  // one kernel prepares and runs each (sequence, head) (v_split 1, no time split)
 };
 
 // The cost model of the time split, in microseconds (constants measured on the H200, docs/KERNEL.md).
@@ -119,9 +120,22 @@ inline Plan split_short_sequences(Plan plan, int64_t mean_chunks) {
   return plan;
 }
 
+// The single pass (kda_recurrence.cu) saves the records' round trip through HBM (1,736 of 3,018 bytes per
+// token-head) and needs no workspace, but each CTA prepares its chunks and then runs them, one after the other on
+// its SM: 1.68 µs per chunk against 0.74 for a finishing step (H200, one CTA per SM), so it only pays where the
+// two stages waste the SMs on short sequences. Measured (GPU ms, two stages / single pass, tenth session): varlen
+// 64×128 H32 0.348 / 0.318; B32 T512 H32 0.515 / 0.509, B8 T1024 H32 0.257 / 0.255 and varlen 1024×8 H96 0.728 /
+// 0.734 are even, T8192 H96 0.765 / 0.963 and the long rows far worse. So: the many short sequences of
+// split_short_sequences (a mean of at most kShortSequenceChunks chunks over more pairs than the GPU holds at once).
+inline bool single_pass_pays(int64_t total_tokens, int64_t num_seqs, int heads, int sm_count) {
+  const int64_t total_chunks = (total_tokens + kChunk - 1) / kChunk;
+  const int64_t mean_chunks = num_seqs > 0 ? (total_chunks + num_seqs - 1) / num_seqs : total_chunks;
+  return choose_v_split(num_seqs, heads, sm_count) == 1 && mean_chunks <= kShortSequenceChunks;
+}
+
 // The plan for a call; `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it.
-inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
-                        int forced_segment_chunks = -1) {
+inline Plan choose_two_stage_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen,
+                                  int sm_count, int forced_segment_chunks) {
   const int64_t total_chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t mean_chunks = num_seqs > 0 ? (total_chunks + num_seqs - 1) / num_seqs : total_chunks;
   // The longest sequence and how many sequences are that long.
@@ -140,6 +154,17 @@ inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
   // A fixed-length batch's likely length is its length; a varlen one's segments fit its worst case.
   const int L = likely_chunks == chunks ? likely_L : best_segment_chunks(chunks, seqs, heads, sm_count);
   return plan_with_segments(chunks, seqs, heads, sm_count, L);
+}
+
+// The plan for a call. `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it;
+// `forced_single_pass` 1 forces the single pass (no time split, v_split 1), 0 forbids it, -1 leaves it to the plan.
+inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
+                        int forced_segment_chunks = -1, int forced_single_pass = -1) {
+  if (forced_single_pass == 1) return Plan{1, 1, 0, true};
+  Plan plan = choose_two_stage_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced_segment_chunks);
+  const bool automatic = forced_single_pass == -1 && plan.segment_chunks == 0;
+  if (automatic && single_pass_pays(total_tokens, num_seqs, heads, sm_count)) plan = Plan{1, 1, 0, true};
+  return plan;
 }
 
 }  // namespace kda

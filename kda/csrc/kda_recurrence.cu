@@ -1,5 +1,6 @@
-// KDA forward: the recurrence over the chunks of each sequence (or of each time segment), and the time split's
-// scan pass, which runs the same step without outputs (kda_fwd.cu shows the order of the kernels).
+// KDA forward: the recurrence over the chunks of each sequence (or of each time segment), the time split's scan
+// pass, which runs the same step without outputs, and the single pass, which prepares its own chunks into the ring
+// (kda_fwd.cu shows the order of the kernels).
 //
 // Grid (sequence or segment, head, V part): each CTA owns 128 / v_split state rows of one (sequence, head);
 // warp w of it owns 16 rows v for its whole chunk range, kept in fp32 mma accumulators laid out as S[v, k]
@@ -29,6 +30,7 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/kda_plan.h"
+#include "kda/csrc/kda_prepare_chunk.cuh"
 #include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/sm90_wgmma.cuh"
 #include "kda/csrc/smem_opt_in.h"
@@ -39,8 +41,8 @@ namespace {
 // Chunks in flight: hides the record's trip from HBM/L2 behind ~3 steps (6 and 8 measured slower: docs/KERNEL.md).
 constexpr int kStages = 4;
 
-// Shared-memory ring of one CTA that owns kWarps * 16 state rows.
-template <int kWarps>
+// Shared-memory ring of kRingStages stages of one CTA that owns kWarps * 16 state rows.
+template <int kWarps, int kRingStages = kStages>
 struct RecurrenceSmem {
   static constexpr int kRows = kWarps * 16;
   // Value rows [token c][v of this CTA], padded by 16 bytes so the 8 rows an ldmatrix phase reads sit in
@@ -49,9 +51,9 @@ struct RecurrenceSmem {
   static constexpr int kValueOffset = ChunkRecordLayout::kBytes;
   // Stages start 1024-byte aligned: wgmma's 128-byte swizzle is a function of the address bits.
   static constexpr int kStageBytes = (kValueOffset + kChunk * kValueStride + 1023) / 1024 * 1024;
-  static constexpr int kBarrierOffset = kStages * kStageBytes;
-  static constexpr int kEmptyOffset = kBarrierOffset + kStages * 8;  // used by CTAs with a producer warp
-  static constexpr int kBytes = kEmptyOffset + kStages * 8;
+  static constexpr int kBarrierOffset = kRingStages * kStageBytes;
+  static constexpr int kEmptyOffset = kBarrierOffset + kRingStages * 8;  // used by CTAs with a producer warp
+  static constexpr int kBytes = kEmptyOffset + kRingStages * 8;
   static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the dynamic shared memory's start
 };
 
@@ -128,15 +130,21 @@ __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
 // finishing pass) the CTA has a producer warp for the records (produce_records).
 // Each product keeps its own order, so neither the step's schedule nor the ring's synchronisation changes a bit.
 // kHiLo: the state update adds bf16(Uᵀ − bf16(Uᵀ))·Kr after bf16(Uᵀ)·Kr (slow decay, kda_plan.h).
-template <int kWarps, bool kOutput, bool kValues, bool kWgmma, bool kHiLo>
+// kSelfFed (the single pass): the CTA has already put the chunks' records and value rows into stages 0 .. count - 1
+// of a ring of kRingStages >= count stages and synchronised; the steps then neither copy nor wait.
+template <int kWarps, bool kOutput, bool kValues, bool kWgmma, bool kHiLo, int kRingStages = kStages,
+          bool kSelfFed = false>
 __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                            const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
                                            StateRows& s) {
-  using Smem = RecurrenceSmem<kWarps>;
+  using Smem = RecurrenceSmem<kWarps, kRingStages>;
+  constexpr int kStages = kRingStages;  // this ring's depth (the file's kStages is the default)
   // CTAs of two warpgroups (the finishing pass) have a producer warp for the records and release each stage on
   // its empty barrier, so the warpgroups never meet at a CTA barrier and their products interleave on the tensor
-  // cores; the others refill a stage after a CTA barrier placed while the tensor cores update S.
-  constexpr bool kProducer = kWgmma && kOutput;
+  // cores; the others refill a stage after a CTA barrier placed while the tensor cores update S. Either way the
+  // output product of a wgmma CTA goes first, so that its stores overlap the state update.
+  constexpr bool kProducer = kWgmma && kOutput && !kSelfFed;
+  constexpr bool kOutputFirst = kWgmma && kOutput;
   // The 8-warp scan runs two CTAs per SM on 128 registers: bf16(S) in four parts and S ⊙ 2^Γ after Pᵀ, so that
   // ptxas need not serialise the products (docs/KERNEL.md, v12).
   constexpr bool kScanParts = kWgmma && !kOutput;
@@ -188,7 +196,9 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     }
     cp_async_commit();
   };
-  for (int i = 0; i < kStages - 1; ++i) fill_next();
+  if constexpr (!kSelfFed) {
+    for (int i = 0; i < kStages - 1; ++i) fill_next();
+  }
 
   // The row this lane addresses for ldmatrix: matrix mat = lane / 8, row lane % 8 of it. Every B operand here
   // (Kd, Qd with k = state column; Krᵀ, INV, Mqk with k = token) is loaded as matrices (n-tile, k half) =
@@ -213,15 +223,19 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     // Wait for this chunk: its value rows (this warp's own copies, the oldest group in flight) and its record.
     // With a producer warp, this warp first refills its value rows of the stage it used last step (no other
     // warp reads them); without one, every refill happens later in the step, after a CTA barrier.
-    if constexpr (kProducer) {
+    if constexpr (kSelfFed) {
+      // nothing to wait for: the caller's CTA barrier
+    } else if constexpr (kProducer) {
       fill_next();
       cp_async_wait<kStages - 1>();
     } else {
       cp_async_wait<kStages - 2>();
     }
-    __syncwarp();
     const uint8_t* stage = smem + stage_index * Smem::kStageBytes;
-    mbarrier_wait_parity_warp(&full[stage_index], phase);
+    if constexpr (!kSelfFed) {
+      __syncwarp();
+      mbarrier_wait_parity_warp(&full[stage_index], phase);
+    }
 
     const uint8_t* kq = stage + ChunkRecordLayout::kKdQdOffset;
     const uint32_t stage_desc_lo = ring_desc_lo + stage_index * (Smem::kStageBytes / 16);
@@ -390,7 +404,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
       register_fence(po);
       wgmma_fence();
       const uint64_t kr_desc = smem_desc(stage_desc_lo + ChunkRecordLayout::kKrTOffset / 16, kNarrowDescHi);
-      if constexpr (kProducer) {
+      if constexpr (kOutputFirst) {
         // Oᵀ += bf16(Uᵀ)·Mqkᵀ first, in a group of its own, so that its stores run while the tensor cores update
         // S. INV's and Mqk's rows are one 32-row operand: the INV half lands in the spent Pᵀ accumulators.
         wgmma_m64n32k16(po, u_frag, smem_desc(stage_desc_lo + ChunkRecordLayout::kInvOffset / 16, kNarrowDescHi));
@@ -399,11 +413,11 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
       wgmma_m64n128k16(s, u_frag, kr_desc);
       if constexpr (kHiLo) wgmma_m64n128k16(s, u_lo_frag, kr_desc);
       wgmma_commit();
-      if constexpr (kProducer) {
+      if constexpr (kOutputFirst) {
         wgmma_wait<1>();
         register_fence(po);
         store_outputs();
-      } else {
+      } else if constexpr (!kSelfFed) {
         // While the tensor cores update S: every warp has finished the previous step (it waited for that step's
         // products before this one), so the stage of that step is free to refill.
         __syncthreads();
@@ -437,11 +451,13 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
         }
       }
       // The state update's mma.sync are in flight: refill the previous step's stage meanwhile.
-      __syncthreads();
-      fill_next();
+      if constexpr (!kSelfFed) {
+        __syncthreads();
+        fill_next();
+      }
     }
 
-    if constexpr (kOutput && !kProducer) store_outputs();
+    if constexpr (kOutput && !kOutputFirst) store_outputs();
     out_chunk += chunk_stride;
     rows_math -= kChunk;
     stage_index = stage_index + 1 == kStages ? 0 : stage_index + 1;
@@ -536,6 +552,86 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
   run_chunks<kWarps, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
 
   if (last && p.final_state != nullptr) {
+    store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
+  }
+}
+
+// The single pass (plan.fused, no time split): one CTA of two warpgroups per (sequence, head) prepares its own
+// chunks, kSinglePassStages at a time, into a ring of as many stages (warp w prepares chunk w of the block,
+// kda_prepare_chunk.cuh) while its value rows land, then runs their steps from the ring (run_chunks, kSelfFed).
+// No workspace records: 1,282 instead of 3,018 bytes per token-head cross HBM. The two halves of a block take turns
+// on the SM instead of sharing it (a co-resident preparation slows the steps about as much as it takes,
+// docs/KERNEL.md), so this pays where many (sequence, head) pairs fill the GPU, not where a few long ones run.
+constexpr int kSinglePassWarps = 8;
+constexpr int kSinglePassStages = kSinglePassWarps;  // one chunk per warp and block
+struct SinglePassSmem {
+  using Ring = RecurrenceSmem<kSinglePassWarps, kSinglePassStages>;
+  static constexpr int kScratchOffset = (Ring::kBytes + 127) / 128 * 128;  // one preparation tile per warp
+  static constexpr int kBytes = kScratchOffset + kSinglePassWarps * prep::kPrepTileBytes;
+  static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the ring's start
+};
+
+template <typename InitT, typename FinalT, bool kHiLo>
+__global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kernel(const FwdParams p) {
+  using Ring = SinglePassSmem::Ring;
+  const int64_t n = blockIdx.x;
+  const int h = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gi = lane >> 2, ti = lane & 3;
+  const int v_base = warp * 16;
+
+  extern __shared__ __align__(128) uint8_t dynamic_smem[];
+  uint8_t* smem = aligned_ring(dynamic_smem);
+  auto* scratch =
+      reinterpret_cast<__nv_bfloat16*>(smem + SinglePassSmem::kScratchOffset + warp * prep::kPrepTileBytes);
+
+  const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+  const int64_t len = bounds.eos - bounds.bos;
+  const int64_t num_chunks = (len + kChunk - 1) / kChunk;
+  const size_t state_offset = (static_cast<size_t>(n) * p.heads + h) * kHeadDim * kHeadDim;
+
+  StateRows s;
+  if (p.initial_state != nullptr) {
+    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset, v_base, gi, ti);
+  } else {
+    fill_rows(s, 0.f);
+  }
+
+  // This warp's value rows (its 16 columns; one 16-byte cp.async per lane and chunk, token lane / 2, half lane % 2;
+  // rows past the end zero-filled from the chunk's first row, in bounds), as run_chunks lays them out.
+  const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;
+  const int fill_token = lane >> 1, fill_piece = lane & 1;
+  const __nv_bfloat16* v_head =
+      static_cast<const __nv_bfloat16*>(p.v) + bounds.bos * token_stride + h * kHeadDim + v_base;
+  const int fill_dst = Ring::kValueOffset + fill_token * Ring::kValueStride + 2 * (v_base + 8 * fill_piece);
+
+  for (int64_t c0 = 0; c0 < num_chunks; c0 += kSinglePassStages) {
+    const int count = static_cast<int>(min(num_chunks - c0, static_cast<int64_t>(kSinglePassStages)));
+#pragma unroll
+    for (int c = 0; c < kSinglePassStages; ++c) {
+      if (c < count) {
+        const int64_t token = (c0 + c) * kChunk;
+        const __nv_bfloat16* chunk_v = v_head + token * token_stride;
+        const bool valid = token + fill_token < len;
+        cp_async_16(smem + c * Ring::kStageBytes + fill_dst,
+                    valid ? chunk_v + fill_token * token_stride + 8 * fill_piece : chunk_v, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+    if (warp < count) {
+      const int64_t token = (c0 + warp) * kChunk;
+      const int rows = static_cast<int>(min(len - token, static_cast<int64_t>(kChunk)));
+      prep::prepare_chunk<true>(p, h, bounds.bos + token, rows, smem + warp * Ring::kStageBytes, scratch, lane);
+    }
+    cp_async_wait<0>();
+    fence_proxy_async_shared();  // the records' stores before the other warps' wgmma reads
+    __syncthreads();
+    run_chunks<kSinglePassWarps, true, true, true, kHiLo, kSinglePassStages, true>(p, smem, nullptr, n, h, bounds,
+                                                                                  c0, count, v_base, s);
+    __syncthreads();  // every warp's last products have read the ring before the next block overwrites it
+  }
+
+  if (p.final_state != nullptr) {
     store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
   }
 }
@@ -673,6 +769,32 @@ void launch_finish_for(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
+template <auto kKernel>
+void launch_single_pass_kernel(const FwdParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads));
+  opt_in_dynamic_smem<kKernel>(SinglePassSmem::kLaunchBytes);
+  kKernel<<<grid, kSinglePassWarps * 32, SinglePassSmem::kLaunchBytes, stream>>>(p);
+  KDA_CHECK_LAUNCH("kda_single_pass_kernel");
+}
+
+template <typename InitT, typename FinalT>
+void launch_single_pass(const FwdParams& p, cudaStream_t stream) {
+  if (hi_lo_state_update(p.lower_bound)) {
+    launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, true>>(p, stream);
+  } else {
+    launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, false>>(p, stream);
+  }
+}
+
+template <typename InitT>
+void launch_single_pass_for(const FwdParams& p, cudaStream_t stream) {
+  if (p.final_is_fp32) {
+    launch_single_pass<InitT, float>(p, stream);
+  } else {
+    launch_single_pass<InitT, __nv_bfloat16>(p, stream);
+  }
+}
+
 }  // namespace
 
 void launch_recurrence(const FwdParams& p, cudaStream_t stream) {
@@ -696,6 +818,15 @@ void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
     launch_ring_kernel<kWarps, kda_segment_scan_kernel<kWarps, kUseWgmma<kWarps>, kHiLo>>(grid, p, stream);
   });
   KDA_CHECK_LAUNCH("kda_segment_scan_kernel");
+}
+
+void launch_single_pass(const FwdParams& p, cudaStream_t stream) {
+  if (p.num_seqs == 0 || p.heads == 0) return;
+  if (p.initial_is_fp32) {
+    launch_single_pass_for<float>(p, stream);
+  } else {
+    launch_single_pass_for<__nv_bfloat16>(p, stream);
+  }
 }
 
 }  // namespace kda

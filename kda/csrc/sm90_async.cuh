@@ -57,6 +57,12 @@ __device__ __forceinline__ void mbarrier_wait_parity_warp(uint64_t* bar, uint32_
   }
 }
 
+// Orders this thread's earlier shared-memory stores (generic proxy) before later reads by the async proxy (wgmma
+// operands); a CTA barrier after it extends that to the other threads' reads.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ---- 1-D bulk copy global -> shared, completing on an mbarrier (16-byte aligned, size % 16 == 0) ---------
 __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
   asm volatile(

@@ -14,6 +14,8 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
 - ``forced_tsplit``: the same cases again with the time split forced to segments of 1, 2, 3, 5 or 8 chunks
   (and the V split cycling too), so the scan, the composition and the segmented finish run on every kind of
   shape — short, ragged, empty and one-token sequences, every state mode — against the twin's re-enactment.
+- ``forced_single_pass``: the same cases again under the single pass (one kernel prepares each block of 8 chunks
+  into shared memory and runs it), which the plan picks for batches of many (sequence, head) pairs.
 
 A state configuration is (state_io, state_dtype): state_io in STATE_IO, state dtype bf16 or fp32 ("none" for
 no_state, where no state tensor exists so the dtype has no meaning and is not repeated).
@@ -42,7 +44,7 @@ BATCHED_BT = ((2, 64), (2, 1024), (4, 256), (8, 128))
 VARLEN_H = (1, 4, 96)
 SLICES = (
     "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
-    "forced_vsplit", "forced_tsplit",
+    "forced_vsplit", "forced_tsplit", "forced_single_pass",
 )  # fmt: skip
 FORCED_V_SPLITS = (1, 2, 4, 8)
 FORCED_SEGMENT_CHUNKS = (1, 2, 3, 5, 8)
@@ -78,6 +80,7 @@ class Case:
     inplace_state: bool = False  # final_state is the same tensor as initial_state
     v_split: int = 0  # recurrence V split forced through flash_kda.testing.force_plan; 0: automatic
     segment_chunks: int = -1  # time split forced through flash_kda.testing.force_plan; -1: automatic
+    single_pass: bool | None = None  # the single pass forced on (True) or off (False); None: automatic
     final_dtype: str = ""  # final_state's dtype when it differs from state_dtype (fla: bf16 in, fp32 out)
     param_dtype: str = "fp32"  # A_log and dt_bias ("bf16" / "fp16": a model cast with layer.to(bf16))
     seed: int = -1  # -1: derived from the id
@@ -145,6 +148,8 @@ class Case:
             extras.insert(0, f"vsplit{self.v_split}")
         if self.segment_chunks >= 0:
             extras.insert(0, f"tsplit{self.segment_chunks}")
+        if self.single_pass is not None:
+            extras.insert(0, "single" if self.single_pass else "two_stage")
         prefix = "".join(f"{x}_" for x in extras)
         return f"{prefix}{shape}_state_dtype={self.state_dtype}[{self.state_io}]"
 
@@ -248,13 +253,23 @@ def _forced_tsplit(base: list[Case]) -> list[Case]:
     ]
 
 
+def _forced_single_pass(base: list[Case]) -> list[Case]:
+    """The base cases again under the single pass (no time split, v_split 1: the plan of its own). An adversarial
+    case that loses its prefix here and then reads like a fixed-length one (H4 T256 at lower_bound -5) runs once."""
+    cases: dict[str, Case] = {}
+    for c in base:
+        forced = dataclasses.replace(c, slice="forced_single_pass", single_pass=True)
+        cases.setdefault(forced.id, forced)
+    return list(cases.values())
+
+
 def all_cases() -> list[Case]:
     cases = [Case("smoke", H=4, T=97, seed=0)]
     base = _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
     base += _varlen() + _batched()
     adversarial = _adversarial()
     cases += base + _long_context() + adversarial + _forced_vsplit(base + adversarial)
-    cases += _forced_tsplit(base + adversarial)
+    cases += _forced_tsplit(base + adversarial) + _forced_single_pass(base + adversarial)
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases

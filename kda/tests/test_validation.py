@@ -455,24 +455,50 @@ def test_plan_keeps_full_gpus_unsplit(shape):
     plan = testing.default_plan(total, T, N, H, varlen, 132)
     assert plan.segment_chunks == 0
     short = -(-total // (16 * N)) <= 8  # mean sequence of at most 8 chunks: see the next test
-    assert plan.v_split == plan.scan_v_split == (2 if short else testing.default_v_split(N, H, 132))
+    assert plan.single_pass == short
+    assert plan.v_split == plan.scan_v_split == (1 if short else testing.default_v_split(N, H, 132))
 
 
 @pytest.mark.parametrize(
     "shape, expected",
-    [((8192, 8192, 64, 32, True), 2), ((8192, 128, 64, 32, False), 2), ((4096, 64, 64, 4, False), 2),
-     ((8192, 1024, 8, 32, False), 1), ((16384, 512, 32, 32, False), 1), ((8192, 144, 57, 32, True), 1),
-     ((1024, 128, 8, 4, False), 4)],
+    [((8192, 8192, 64, 32, True), True), ((8192, 128, 64, 32, False), True), ((4096, 64, 64, 4, False), True),
+     ((8192, 1024, 8, 32, False), False), ((16384, 512, 32, 32, False), False), ((8192, 144, 57, 32, True), False),
+     ((1024, 128, 8, 4, False), False)],
     ids=str,
 )  # fmt: skip
-def test_plan_splits_v_for_many_short_sequences(shape, expected):
-    """Where one 8-warp CTA per (sequence, head) over-fills the GPU, sequences of at most 8 chunks (mean) get two
-    4-warp CTAs per pair; longer ones, and grids that fit, keep the ordinary rule."""
+def test_plan_runs_many_short_sequences_in_one_pass(shape, expected):
+    """Where one 8-warp CTA per (sequence, head) over-fills the GPU and the sequences are at most 8 chunks long
+    (mean), the single pass runs them (kda_plan.h); longer ones, and grids that fit, keep the two stages."""
     from flash_kda import testing
 
     total, T, N, H, varlen = shape
     plan = testing.default_plan(total, T, N, H, varlen, 132)
-    assert plan == api.Plan(expected, expected, 0)
+    v = testing.default_v_split(N, H, 132)
+    assert plan == (api.Plan(1, 1, 0, True) if expected else api.Plan(v, v, 0, False))
+
+
+def test_two_stage_plan_splits_v_for_many_short_sequences():
+    """With the single pass forbidden, many short sequences get two 4-warp CTAs per pair (kda_plan.h,
+    split_short_sequences); forcing it on gives the single pass's own plan whatever the shape."""
+    from flash_kda import _ext
+
+    C = _ext.load()
+    assert api.Plan(*C.choose_plan(8192, 8192, 64, 32, True, 132, -1, 0)) == api.Plan(2, 2, 0, False)
+    assert api.Plan(*C.choose_plan(8192, 8192, 1, 96, False, 132, -1, 1)) == api.Plan(1, 1, 0, True)
+    assert api.Plan(*C.choose_plan(131072, 131072, 1, 1, False, 132, -1, 1)) == api.Plan(1, 1, 0, True)
+
+
+def test_force_plan_refuses_a_single_pass_with_splits():
+    """The single pass owns all 128 state rows of a whole sequence: no V split, no time split."""
+    from flash_kda import testing
+
+    for kwargs in ({"v_split": 2}, {"segment_chunks": 4}, {"scan_v_split": 2}):
+        with pytest.raises(ValueError, match="single_pass=True"):
+            with testing.force_plan(single_pass=True, **kwargs):
+                pass
+    with pytest.raises(ValueError, match="single_pass must be"):
+        with testing.force_plan(single_pass=1):
+            pass
 
 
 @pytest.mark.parametrize("shape", _FEW_HEADS, ids=str)
@@ -502,7 +528,7 @@ def test_forced_time_split_picks_its_own_v_splits():
     from flash_kda import _ext, testing
 
     plan = api.Plan(*_ext.load().choose_plan(131072, 131072, 1, 1, False, 132, 0))
-    assert plan == api.Plan(testing.default_v_split(1, 1, 132), testing.default_v_split(1, 1, 132), 0)
+    assert plan == api.Plan(testing.default_v_split(1, 1, 132), testing.default_v_split(1, 1, 132), 0, False)
     forced = api.Plan(*_ext.load().choose_plan(8192, 8192, 1, 96, False, 132, 4))
     assert forced.segment_chunks == 4
 
@@ -517,6 +543,15 @@ def test_workspace_grows_with_the_time_split():
     windows = -(-(131072 // 16 + 1) // 128)
     table = -(-(windows * 8) // 128) * 128
     assert C.workspace_bytes(131072, 1, 2, 128) == base + table + windows * 2 * 196608
+
+
+def test_single_pass_needs_no_workspace():
+    """The single pass keeps its records in shared memory (kda_recurrence.cu): no workspace at all."""
+    from flash_kda import _ext
+
+    C = _ext.load()
+    assert C.workspace_bytes(8192, 64, 32, 0, True) == 0
+    assert C.workspace_bytes(8192, 64, 32, 0, False) > 0
 
 
 # --- workspace -------------------------------------------------------------------------------------------

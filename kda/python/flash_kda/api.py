@@ -31,6 +31,7 @@ _V_SPLITS = (1, 2, 4, 8)
 _forced_v_split = 0  # 0: the plan chooses (forcing it forces the scan's V split too, unless that is forced)
 _forced_scan_v_split = 0  # 0: the plan chooses
 _forced_segment_chunks: int | None = None  # None: the plan chooses; 0: no time split; L: segments of L chunks
+_forced_single_pass: bool | None = None  # None: the plan chooses (two stages whenever a V split is forced)
 _DEFAULT_SM_COUNT = 132  # an H200/H100 SXM, for plans asked about CPU tensors
 
 
@@ -41,6 +42,7 @@ class Plan(NamedTuple):
     v_split: int  # recurrence CTAs per (segment, head), each owning 128 / v_split state rows
     scan_v_split: int  # scan-pass CTAs per (scanned segment, head, map)
     segment_chunks: int  # time split: chunks (16 tokens) per segment; 0 = none
+    single_pass: bool = False  # one kernel prepares and runs each (sequence, head); no workspace
 
 
 def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
@@ -51,18 +53,22 @@ def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     sm_count = _sm_count(q.device) if q.device.type == "cuda" else _DEFAULT_SM_COUNT
     key = (B, T, H, N, cu_seqlens is not None, sm_count, _forced_v_split, _forced_scan_v_split,
-           _forced_segment_chunks)
+           _forced_segment_chunks, _forced_single_pass)
     cached = _plans.get(key)  # a dict hit instead of an extension call on every fwd (host time per call)
     if cached is not None:
         return cached
     forced_segments = -1 if _forced_segment_chunks is None else _forced_segment_chunks
-    v_split, scan_v_split, segment_chunks = _ext.load().choose_plan(B * T, T, N, H, cu_seqlens is not None, sm_count,
-                                                                    forced_segments)
+    if _forced_single_pass is None:
+        forced_single = 0 if (_forced_v_split or _forced_scan_v_split) else -1  # a forced V split is two-stage
+    else:
+        forced_single = int(_forced_single_pass)
+    v_split, scan_v_split, segment_chunks, single_pass = _ext.load().choose_plan(
+        B * T, T, N, H, cu_seqlens is not None, sm_count, forced_segments, forced_single)
     if _forced_v_split:
         v_split = scan_v_split = _forced_v_split
     if _forced_scan_v_split:
         scan_v_split = _forced_scan_v_split
-    result = Plan(int(v_split), int(scan_v_split), int(segment_chunks))
+    result = Plan(int(v_split), int(scan_v_split), int(segment_chunks), bool(single_pass))
     if len(_plans) >= _PLAN_CACHE_SIZE:
         _plans.clear()
     _plans[key] = result
@@ -375,7 +381,7 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
     index = q.device.index  # a CUDA tensor's device always has an index
     stream = _ext.current_stream(index)
     run = plan(q, cu_seqlens)
-    kernel_bytes = C.workspace_bytes(B * T, N, H, run.segment_chunks)
+    kernel_bytes = C.workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass)
     nbytes = kernel_bytes + (_host_cu_seqlens_bytes(N) if cu_on_host else 0)
     if workspace is None:
         workspace = _cached_workspace(index, stream, nbytes)
@@ -404,7 +410,7 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
         ptr(cu_seqlens), cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
         B, T, N, H, float(scale), float(lower_bound),
         ptr(workspace), workspace.numel(), ptr(status), run.v_split, run.scan_v_split, run.segment_chunks,
-        stream, index,
+        run.single_pass, stream, index,
     )  # fmt: skip
     return None
 
@@ -532,13 +538,14 @@ def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
     """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``).
 
     Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
-    a time split stores each segment's map), which depends on the device's SM count. A CPU ``cu_seqlens`` with
-    CUDA ``q`` adds room for its device copy.
+    a time split stores each segment's map, the single pass needs no records at all), which depends on the
+    device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for its device copy.
     """
     B, T, H, _ = q.shape
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     extra = _host_cu_seqlens_bytes(N) if cu_seqlens is not None and _cu_seqlens_on_host(q, cu_seqlens) else 0
-    return int(_ext.load().workspace_bytes(B * T, N, H, plan(q, cu_seqlens).segment_chunks)) + extra
+    run = plan(q, cu_seqlens)
+    return int(_ext.load().workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass)) + extra
 
 
 def _cu_seqlens_on_host(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:

@@ -9,6 +9,9 @@ matrix can run every plan on every shape:
         flash_kda.fwd(...)
         numerics.twin_forward(...)
 
+The single pass (one kernel that prepares and runs each (sequence, head)) computes the same bits as the two
+stages; ``force_plan(single_pass=True)`` runs it on any shape, ``single_pass=False`` keeps it out.
+
 Not thread-safe and not meant for production code: it sets module-level overrides of ``flash_kda.api``.
 """
 
@@ -25,7 +28,8 @@ V_SPLITS = api._V_SPLITS
 
 
 @contextlib.contextmanager
-def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_split: int = 0) -> Iterator[None]:
+def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_split: int = 0,
+               single_pass: Optional[bool] = None) -> Iterator[None]:
     """Within the block, ``fwd`` on CUDA runs the forced plan.
 
     | arg | type | meaning |
@@ -33,6 +37,7 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
     | v_split | int | 1, 2, 4 or 8: each recurrence CTA owns 128 / v_split state rows (0: automatic) |
     | segment_chunks | int / None | time split into segments of this many 16-token chunks; 0: no split; None: automatic |
     | scan_v_split | int | 1, 2, 4 or 8 CTAs per map in the time split's scan; 0: v_split if forced, else automatic |
+    | single_pass | bool / None | True: the single pass (no time split, v_split 1); False: two stages; None: automatic (two stages whenever a V split is forced) |
     """
     for name, value in (("v_split", v_split), ("scan_v_split", scan_v_split)):
         if isinstance(value, bool) or not isinstance(value, int) or value not in (0, *V_SPLITS):
@@ -41,12 +46,19 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
         isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int) or segment_chunks < 0
     ):
         raise ValueError(f"segment_chunks must be None (automatic) or an int >= 0, got {segment_chunks=}")
-    saved = api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split
+    if single_pass is not None and not isinstance(single_pass, bool):
+        raise ValueError(f"single_pass must be None (automatic), True or False, got {single_pass=!r}")
+    if single_pass and (v_split not in (0, 1) or scan_v_split or segment_chunks):
+        raise ValueError("single_pass=True runs v_split 1 without a time split, got "
+                         f"{v_split=}, {scan_v_split=}, {segment_chunks=}")
+    saved = api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split, api._forced_single_pass
     api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split = v_split, segment_chunks, scan_v_split
+    api._forced_single_pass = single_pass
     try:
         yield
     finally:
-        api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split = saved
+        (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split,
+         api._forced_single_pass) = saved
 
 
 def default_v_split(num_seqs: int, heads: int, sm_count: int) -> int:
@@ -63,5 +75,6 @@ def default_plan(total_tokens: int, seqlen: int, num_seqs: int, heads: int, varl
     """The plan ``fwd`` chooses for these shapes on a GPU with ``sm_count`` SMs (nothing forced)."""
     from flash_kda import _ext  # noqa: PLC0415
 
-    return api.Plan(*(int(x) for x in _ext.load().choose_plan(total_tokens, seqlen, num_seqs, heads, varlen,
-                                                               sm_count)))
+    v_split, scan_v_split, segment_chunks, single_pass = _ext.load().choose_plan(total_tokens, seqlen, num_seqs,
+                                                                                 heads, varlen, sm_count)
+    return api.Plan(int(v_split), int(scan_v_split), int(segment_chunks), bool(single_pass))
