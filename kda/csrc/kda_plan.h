@@ -123,8 +123,8 @@ inline Plan split_short_sequences(Plan plan, int64_t mean_chunks) {
 // The single pass (kda_recurrence.cu) saves the records' round trip through HBM (1,736 of 3,018 bytes per
 // token-head) and needs no workspace, but each CTA prepares its chunks and then runs them, one after the other on
 // its SM: 1.68 µs per chunk against 0.74 for a finishing step (H200, one CTA per SM), so it only pays where the
-// two stages waste the SMs on short sequences. Measured (GPU ms, two stages / single pass, tenth session): varlen
-// 64×128 H32 0.348 / 0.318; B32 T512 H32 0.515 / 0.509, B8 T1024 H32 0.257 / 0.255 and varlen 1024×8 H96 0.728 /
+// two stages waste the SMs on short sequences. Measured (GPU ms, two stages / single pass, docs/KERNEL.md): varlen
+// 64×128 H32 0.349 / 0.318; B32 T512 H32 0.515 / 0.509, B8 T1024 H32 0.257 / 0.255 and varlen 1024×8 H96 0.729 /
 // 0.734 are even, T8192 H96 0.765 / 0.963 and the long rows far worse. So: the many short sequences of
 // split_short_sequences (a mean of at most kShortSequenceChunks chunks over more pairs than the GPU holds at once).
 inline bool single_pass_pays(int64_t total_tokens, int64_t num_seqs, int heads, int sm_count) {
