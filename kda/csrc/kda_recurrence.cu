@@ -732,11 +732,32 @@ void with_warps_and(int v_split, HiLo hi_lo, Launch launch) {
   }
 }
 
+// The state update of the call's lower bound (kda_plan.h) as a compile-time flag: launch(std::bool_constant).
+template <typename Launch>
+void with_hi_lo(float lower_bound, Launch launch) {
+  if (hi_lo_state_update(lower_bound)) return launch(std::true_type{});
+  return launch(std::false_type{});
+}
+
 // CTAs of 128 / v_split rows, i.e. 8 / v_split warps, and the state update of the call's lower bound.
 template <typename Launch>
 void with_warps(int v_split, float lower_bound, Launch launch) {
-  if (hi_lo_state_update(lower_bound)) return with_warps_and(v_split, std::true_type{}, launch);
-  return with_warps_and(v_split, std::false_type{}, launch);
+  with_hi_lo(lower_bound, [&](auto hi_lo) { with_warps_and(v_split, hi_lo, launch); });
+}
+
+// The caller's initial and final state dtypes as types: launch(StateType<InitT>{}, StateType<FinalT>{}).
+template <typename T>
+struct StateType {
+  using type = T;
+};
+template <typename Launch>
+void with_state_types(const FwdParams& p, Launch launch) {
+  auto with_final = [&](auto init) {
+    if (p.final_is_fp32) return launch(init, StateType<float>{});
+    return launch(init, StateType<__nv_bfloat16>{});
+  };
+  if (p.initial_is_fp32) return with_final(StateType<float>{});
+  return with_final(StateType<__nv_bfloat16>{});
 }
 
 // Which CTAs run their products as wgmma: those of two warpgroups, which share an SM's tensor cores and are
@@ -760,15 +781,6 @@ void launch_finish(const FwdParams& p, cudaStream_t stream) {
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
 
-template <typename InitT>
-void launch_finish_for(const FwdParams& p, cudaStream_t stream) {
-  if (p.final_is_fp32) {
-    launch_finish<InitT, float>(p, stream);
-  } else {
-    launch_finish<InitT, __nv_bfloat16>(p, stream);
-  }
-}
-
 template <auto kKernel>
 void launch_single_pass_kernel(const FwdParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads));
@@ -777,33 +789,13 @@ void launch_single_pass_kernel(const FwdParams& p, cudaStream_t stream) {
   KDA_CHECK_LAUNCH("kda_single_pass_kernel");
 }
 
-template <typename InitT, typename FinalT>
-void launch_single_pass(const FwdParams& p, cudaStream_t stream) {
-  if (hi_lo_state_update(p.lower_bound)) {
-    launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, true>>(p, stream);
-  } else {
-    launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, false>>(p, stream);
-  }
-}
-
-template <typename InitT>
-void launch_single_pass_for(const FwdParams& p, cudaStream_t stream) {
-  if (p.final_is_fp32) {
-    launch_single_pass<InitT, float>(p, stream);
-  } else {
-    launch_single_pass<InitT, __nv_bfloat16>(p, stream);
-  }
-}
-
 }  // namespace
 
 void launch_recurrence(const FwdParams& p, cudaStream_t stream) {
   if (p.num_seqs == 0 || p.heads == 0) return;
-  if (p.initial_is_fp32) {
-    launch_finish_for<float>(p, stream);
-  } else {
-    launch_finish_for<__nv_bfloat16>(p, stream);
-  }
+  with_state_types(p, [&](auto init, auto final) {
+    launch_finish<typename decltype(init)::type, typename decltype(final)::type>(p, stream);
+  });
 }
 
 void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
@@ -822,11 +814,13 @@ void launch_segment_scan(const FwdParams& p, cudaStream_t stream) {
 
 void launch_single_pass(const FwdParams& p, cudaStream_t stream) {
   if (p.num_seqs == 0 || p.heads == 0) return;
-  if (p.initial_is_fp32) {
-    launch_single_pass_for<float>(p, stream);
-  } else {
-    launch_single_pass_for<__nv_bfloat16>(p, stream);
-  }
+  with_state_types(p, [&](auto init, auto final) {
+    using InitT = typename decltype(init)::type;
+    using FinalT = typename decltype(final)::type;
+    with_hi_lo(p.lower_bound, [&](auto hi_lo) {
+      launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, decltype(hi_lo)::value>>(p, stream);
+    });
+  });
 }
 
 }  // namespace kda
