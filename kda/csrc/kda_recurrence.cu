@@ -55,7 +55,18 @@ struct RecurrenceSmem {
   static constexpr int kEmptyOffset = kBarrierOffset + kRingStages * 8;  // used by CTAs with a producer warp
   static constexpr int kBytes = kEmptyOffset + kRingStages * 8;
   static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the dynamic shared memory's start
+  // A warp fetches its value columns of a chunk with one 16-byte cp.async per lane: token lane / 2, 8-column half
+  // lane % 2. Where that piece goes in a stage, for the warp whose first row in the CTA is local_v:
+  static __device__ __forceinline__ int value_fill_offset(int lane, int local_v) {
+    return kValueOffset + (lane >> 1) * kValueStride + 2 * (local_v + 8 * (lane & 1));
+  }
 };
+// And where it comes from, given the chunk's first value of the warp's first column (rows past the end of a
+// sequence are zero-filled from that first value instead, which is in bounds, so that β = 0 meets finite values).
+__device__ __forceinline__ const __nv_bfloat16* value_fill_source(const __nv_bfloat16* chunk_v, int lane,
+                                                                  int64_t token_stride) {
+  return chunk_v + (lane >> 1) * token_stride + 8 * (lane & 1);
+}
 
 // The ring's start: the dynamic shared memory rounded up to 1024 bytes.
 __device__ __forceinline__ uint8_t* aligned_ring(uint8_t* dynamic_smem) {
@@ -163,13 +174,12 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
                                (static_cast<size_t>(first_slot(bounds.bos, n) + c0) * p.heads + h) *
                                    static_cast<size_t>(ChunkRecordLayout::kBytes);
   const size_t record_stride = static_cast<size_t>(p.heads) * ChunkRecordLayout::kBytes;
-  // This warp's value rows: one 16-byte cp.async per lane (token lane / 2, rows half lane % 2); rows past the
-  // end of the sequence are zero-filled (from the chunk's first row, in bounds) so that β = 0 meets finite values.
-  const int fill_token = lane >> 1, fill_piece = lane & 1;
+  // This warp's value rows (Smem::value_fill_offset, value_fill_source).
+  const int fill_token = lane >> 1;
   const __nv_bfloat16* v_fill = static_cast<const __nv_bfloat16*>(p.v) + (bounds.bos + c0 * kChunk) * token_stride +
                                 h * kHeadDim + v_base;  // the chunk being filled, its first token
-  const __nv_bfloat16* v_fill_lane = v_fill + fill_token * token_stride + 8 * fill_piece;  // this lane's piece
-  const int fill_dst = Smem::kValueOffset + fill_token * Smem::kValueStride + 2 * (local_v + 8 * fill_piece);
+  const __nv_bfloat16* v_fill_lane = value_fill_source(v_fill, lane, token_stride);  // this lane's piece
+  const int fill_dst = Smem::value_fill_offset(lane, local_v);
   // 32-bit step bookkeeping (registers are scarce in the two-per-SM scan): a sequence's chunk count and the
   // tokens left are far below 2^31 for any tensor that fits in memory; the token count is clamped there anyway.
   const int steps = static_cast<int>(count);
@@ -556,7 +566,7 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
   }
 }
 
-// The single pass (plan.fused, no time split): one CTA of two warpgroups per (sequence, head) prepares its own
+// The single pass (plan.single_pass, no time split): one CTA of two warpgroups per (sequence, head) prepares its own
 // chunks, kSinglePassStages at a time, into a ring of as many stages (warp w prepares chunk w of the block,
 // kda_prepare_chunk.cuh) while its value rows land, then runs their steps from the ring (run_chunks, kSelfFed).
 // No workspace records: 1,282 instead of 3,018 bytes per token-head cross HBM. The two halves of a block take turns
@@ -597,13 +607,12 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
     fill_rows(s, 0.f);
   }
 
-  // This warp's value rows (its 16 columns; one 16-byte cp.async per lane and chunk, token lane / 2, half lane % 2;
-  // rows past the end zero-filled from the chunk's first row, in bounds), as run_chunks lays them out.
+  // This warp's value rows, laid out as run_chunks lays them out (Ring::value_fill_offset, value_fill_source).
   const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;
-  const int fill_token = lane >> 1, fill_piece = lane & 1;
+  const int fill_token = lane >> 1;
   const __nv_bfloat16* v_head =
       static_cast<const __nv_bfloat16*>(p.v) + bounds.bos * token_stride + h * kHeadDim + v_base;
-  const int fill_dst = Ring::kValueOffset + fill_token * Ring::kValueStride + 2 * (v_base + 8 * fill_piece);
+  const int fill_dst = Ring::value_fill_offset(lane, v_base);
 
   for (int64_t c0 = 0; c0 < num_chunks; c0 += kSinglePassStages) {
     const int count = static_cast<int>(min(num_chunks - c0, static_cast<int64_t>(kSinglePassStages)));
@@ -613,8 +622,8 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
         const int64_t token = (c0 + c) * kChunk;
         const __nv_bfloat16* chunk_v = v_head + token * token_stride;
         const bool valid = token + fill_token < len;
-        cp_async_16(smem + c * Ring::kStageBytes + fill_dst,
-                    valid ? chunk_v + fill_token * token_stride + 8 * fill_piece : chunk_v, valid ? 16 : 0);
+        cp_async_16(smem + c * Ring::kStageBytes + fill_dst, valid ? value_fill_source(chunk_v, lane, token_stride) : chunk_v,
+                    valid ? 16 : 0);
       }
     }
     cp_async_commit();
