@@ -60,6 +60,9 @@ flags.DEFINE_integer("force_segment_chunks", -1,
                      "run our calls with this time split (chunks per segment; 0: none); -1: the automatic plan")
 flags.DEFINE_enum("force_single_pass", "auto", ["auto", "on", "off"],
                   "run our calls under the single pass (on), the two stages (off) or the automatic plan")
+flags.DEFINE_integer("force_lead_chunks", -2,
+                     "run our calls under the overlap with this lead (chunks; fixed-length cases), -1: without it, "
+                     "-2: the automatic plan")
 
 BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): SPEC §5
 HEAD_DIM = 128
@@ -183,11 +186,14 @@ def forced_plan():
 
     single = {"auto": None, "on": True, "off": False}[FLAGS.force_single_pass]
     return testing.force_plan(v_split=FLAGS.force_v_split, single_pass=single,
-                              segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks)
+                              segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks,
+                              lead_chunks=None if FLAGS.force_lead_chunks < -1 else FLAGS.force_lead_chunks)
 
 
-def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median of `iters` CUDA-event timings of fn, after `warmup` untimed calls."""
+def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, batch: int = 1) -> float:
+    """Median of `iters` CUDA-event timings of fn, after `warmup` untimed calls. With `batch` > 1 each timing
+    covers that many calls issued back to back and is divided by it: the GPU time per call, the host's hidden
+    wherever the GPU's is longer (the span of calls whose kernels overlap, e.g. plan_sweep's)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -195,10 +201,11 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(batch):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
 
 

@@ -81,7 +81,7 @@ def _breakdown(x: dict) -> None:
                    x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
                    False, 1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), ws.data_ptr(),
                    ws.numel(), 0, run.v_split, run.scan_v_split, run.segment_chunks, run.single_pass,
-                   _ext.current_stream(index), index)  # fmt: skip
+                   run.lead_chunks, run.tail_ctas, run.longest_first, _ext.current_stream(index), index)  # fmt: skip
     steps = {
         "whole flash_kda.fwd": lambda: api.fwd(*args[:13]),
         "api._validate": lambda: api._validate(*args, concrete=True),
@@ -89,7 +89,7 @@ def _breakdown(x: dict) -> None:
         "_ext.current_stream": lambda: _ext.current_stream(index),
         "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
         "with torch.cuda.device(q.device): pass": lambda: _enter_device(q.device),
-        "C.workspace_bytes": lambda: C.workspace_bytes(q.shape[1], 1, q.shape[2], run.segment_chunks, run.single_pass),
+        "api._plan_and_bytes (cached)": lambda: api._plan_and_bytes(q, None),
         "C.fwd (launches only)": lambda: C.fwd(*launch_args),
     }
     print("\n| step of a direct call (no state) | µs |\n|---|---:|")

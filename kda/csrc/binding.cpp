@@ -58,7 +58,8 @@ void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g,
          std::uintptr_t cu_seqlens, bool cu_seqlens_is_int64,
          int64_t batch, int64_t seqlen, int64_t num_seqs, int heads, float scale, float lower_bound,
          std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t status, int v_split, int scan_v_split,
-         int segment_chunks, bool single_pass, std::uintptr_t stream, int device) {
+         int segment_chunks, bool single_pass, int lead_chunks, int tail_ctas, bool longest_first,
+         std::uintptr_t stream, int device) {
   kda::FwdParams p{};
   p.q = ptr<const void>(q);
   p.k = ptr<const void>(k);
@@ -89,6 +90,9 @@ void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g,
   p.scan_v_split = scan_v_split;
   p.segment_chunks = segment_chunks;
   p.single_pass = single_pass;
+  p.lead_chunks = lead_chunks;
+  p.tail_ctas = tail_ctas;
+  p.longest_first = longest_first;
   py::gil_scoped_release release;
   const CurrentDevice on(device);
   kda::fwd(p, stream_of(stream));
@@ -111,31 +115,41 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_info", &kda::device_info, py::arg("device"),
         "Name, compute capability, SM count, L2 size, driver and runtime versions of a CUDA device.");
   m.def("workspace_bytes", &kda::workspace_bytes, py::arg("total_tokens"), py::arg("num_seqs"), py::arg("heads"),
-        py::arg("segment_chunks") = 0, py::arg("single_pass") = false,
-        "Bytes of workspace one forward call needs under a plan (its time split, or none for the single pass).");
+        py::arg("segment_chunks") = 0, py::arg("single_pass") = false, py::arg("tail_items") = 0,
+        py::arg("longest_first") = false,
+        "Bytes of workspace one forward call needs under a plan (its time split, the overlap's tail items, the "
+        "longest-first order, or none for the single pass).");
+  m.def("overlap_tail_items", &kda::overlap_tail_items, py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"),
+        py::arg("lead_chunks"), "Records the overlap's tail kernel prepares (each with a ready flag); 0 without one.");
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
         py::arg("A_log_type"), py::arg("dt_bias"), py::arg("dt_bias_type"), py::arg("out"),
         py::arg("initial_state"), py::arg("initial_is_fp32"), py::arg("final_state"), py::arg("final_is_fp32"),
         py::arg("cu_seqlens"), py::arg("cu_seqlens_is_int64"), py::arg("batch"),
         py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("scale"), py::arg("lower_bound"),
         py::arg("workspace"), py::arg("workspace_bytes"), py::arg("status"), py::arg("v_split"), py::arg("scan_v_split"),
-        py::arg("segment_chunks"), py::arg("single_pass"), py::arg("stream"), py::arg("device"),
+        py::arg("segment_chunks"), py::arg("single_pass"), py::arg("lead_chunks"), py::arg("tail_ctas"),
+        py::arg("longest_first"), py::arg("stream"), py::arg("device"),
         "Enqueues the KDA forward on `stream` of CUDA device `device` (device pointers as integers, 0 for None) "
         "under the plan "
-        "(v_split, scan_v_split, segment_chunks, single_pass) from choose_plan. Validation is the caller's job: use flash_kda.fwd.");
+        "(v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, tail_ctas, longest_first) from "
+        "choose_plan. Validation "
+        "is the caller's job: use flash_kda.fwd.");
   m.def(
       "choose_plan",
       [](int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
-         int segment_chunks, int single_pass) {
+         int segment_chunks, int single_pass, int lead_chunks) {
         const kda::Plan plan = kda::choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count,
-                                                segment_chunks, single_pass);
-        return py::make_tuple(plan.v_split, plan.scan_v_split, plan.segment_chunks, plan.single_pass);
+                                                segment_chunks, single_pass, lead_chunks);
+        return py::make_tuple(plan.v_split, plan.scan_v_split, plan.segment_chunks, plan.single_pass,
+                              plan.lead_chunks, plan.tail_ctas, plan.longest_first);
       },
       py::arg("total_tokens"), py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("varlen"),
-      py::arg("sm_count"), py::arg("segment_chunks") = -1, py::arg("single_pass") = -1,
+      py::arg("sm_count"), py::arg("segment_chunks") = -1, py::arg("single_pass") = -1, py::arg("lead_chunks") = -2,
       "The plan fwd uses for these shapes on a GPU with sm_count SMs: (v_split, scan_v_split, segment_chunks, "
-      "single_pass); segment_chunks >= 0 fixes the time split (0: none) and chooses the V splits for it; "
-      "single_pass 1 forces the single pass, 0 forbids it, -1 leaves it to the plan.");
+      "single_pass, lead_chunks, tail_ctas, longest_first); segment_chunks >= 0 fixes the time split (0: none) "
+      "and chooses the V splits for it; single_pass 1 forces the single pass, 0 forbids it, -1 leaves it to the "
+      "plan; lead_chunks >= 0 forces the overlap with that lead (fixed-length batches), -1 forbids it, -2 leaves it "
+      "to the plan.");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),

@@ -1,8 +1,11 @@
-// Boundary checks of a CUDA cu_seqlens without a host synchronisation: one thread per boundary lowers the
-// device's error word (FwdParams::status) to the first malformed index. cu[0] must be 0, cu[N] the number of
-// tokens, and cu must not decrease or leave [0, total_tokens]. The kernels themselves clamp malformed
-// boundaries (memory stays safe); this records that the call's results are unspecified, for
-// flash_kda.last_error. A separate tiny launch, so that the main kernels keep their registers.
+// Work on a CUDA cu_seqlens that the host cannot do without a synchronisation, in one small launch before the
+// main kernels (so that they keep their registers):
+// - boundary checks: one thread per boundary lowers the device's error word (FwdParams::status) to the first
+//   malformed index. cu[0] must be 0, cu[N] the number of tokens, and cu must not decrease or leave
+//   [0, total_tokens]. The kernels themselves clamp malformed boundaries (memory stays safe); this records that
+//   the call's results are unspecified, for flash_kda.last_error;
+// - the longest-first order (kda_params.h): CTA 0 ranks the sequences by their (clamped) length, longest first,
+//   ties by index, so the table is a permutation whatever the boundaries.
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_launch.h"
@@ -13,19 +16,39 @@ namespace {
 
 constexpr int kCheckThreads = 256;
 
+static_assert(kLongestFirstMaxSeqs <= kCheckThreads, "one CTA ranks every sequence");
+
 __global__ void __launch_bounds__(kCheckThreads) kda_check_boundaries_kernel(const FwdParams p) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kCheckThreads + threadIdx.x;
-  if (i > p.num_seqs) return;
-  const int64_t v = load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i);
-  const bool bad = v < 0 || v > p.total_tokens || (i == 0 && v != 0) || (i == p.num_seqs && v != p.total_tokens) ||
-                   (i > 0 && load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i - 1) > v);
-  if (bad) atomicMin(p.status, static_cast<unsigned long long>(i));
+  if (p.status != nullptr && i <= p.num_seqs) {
+    const int64_t v = load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i);
+    const bool bad = v < 0 || v > p.total_tokens || (i == 0 && v != 0) ||
+                     (i == p.num_seqs && v != p.total_tokens) ||
+                     (i > 0 && load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i - 1) > v);
+    if (bad) atomicMin(p.status, static_cast<unsigned long long>(i));
+  }
+  if (p.longest_first && blockIdx.x == 0) {  // CTA-uniform
+    __shared__ int64_t lengths[kCheckThreads];
+    const int n = threadIdx.x, N = static_cast<int>(p.num_seqs);
+    int64_t length = -1;
+    if (n < N) {
+      const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+      length = b.eos - b.bos;
+    }
+    lengths[n] = length;
+    __syncthreads();
+    if (n < N) {
+      int rank = 0;
+      for (int m = 0; m < N; ++m) rank += lengths[m] > length || (lengths[m] == length && m < n);
+      longest_first_order(p)[rank] = n;
+    }
+  }
 }
 
 }  // namespace
 
 void launch_boundary_check(const FwdParams& p, cudaStream_t stream) {
-  if (p.status == nullptr || p.cu_seqlens == nullptr) return;
+  if (p.cu_seqlens == nullptr || (p.status == nullptr && !p.longest_first)) return;
   const int64_t blocks = (p.num_seqs + 1 + kCheckThreads - 1) / kCheckThreads;
   kda_check_boundaries_kernel<<<static_cast<unsigned>(blocks), kCheckThreads, 0, stream>>>(p);
   KDA_CHECK_LAUNCH("kda_check_boundaries_kernel");

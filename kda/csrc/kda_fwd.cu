@@ -1,7 +1,9 @@
 // The KDA forward: the preparation kernel fills the workspace; with a time split the scan pass and the
-// composition turn it into every segment's start state; then the recurrence's finishing pass runs. Or, under
-// a single-pass plan, one kernel does both stages and the workspace holds nothing. All are
-// enqueued on the caller's stream; nothing here synchronises or allocates.
+// composition turn it into every segment's start state; then the recurrence's finishing pass runs. Under a
+// single-pass plan one kernel does both stages and the workspace holds nothing; under an overlap plan the
+// preparation kernel does a lead of chunks and its tail kernel the rest beside the finishing pass (both launched
+// as programmatic dependents, kda_params.h "The overlap"). All are enqueued on the caller's stream; nothing here
+// synchronises or allocates.
 #include <cuda_runtime_api.h>
 
 #include <stdexcept>
@@ -26,7 +28,24 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.segment_chunks < 0) {
     throw std::invalid_argument("flash_kda: segment_chunks must be >= 0, got " + std::to_string(p.segment_chunks));
   }
-  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks, p.single_pass);
+  const bool overlap = p.lead_chunks >= 0;
+  if (overlap && (p.v_split != 1 || p.segment_chunks != 0 || p.single_pass || p.cu_seqlens != nullptr ||
+                  p.tail_ctas < 1)) {
+    throw std::invalid_argument("flash_kda: the overlap runs fixed-length batches at v_split 1 without a time split "
+                                "on at least one tail CTA, got v_split " + std::to_string(p.v_split) +
+                                ", segment_chunks " + std::to_string(p.segment_chunks) + ", tail_ctas " +
+                                std::to_string(p.tail_ctas));
+  }
+  const int64_t tail_items = overlap_tail_items(p.seqlen, p.num_seqs, p.heads, p.lead_chunks);
+  if (p.longest_first && (p.cu_seqlens == nullptr || p.v_split != 1 || p.segment_chunks != 0 || p.single_pass ||
+                          overlap || p.num_seqs > kLongestFirstMaxSeqs)) {
+    throw std::invalid_argument("flash_kda: longest first runs varlen batches of at most " +
+                                std::to_string(kLongestFirstMaxSeqs) + " sequences at v_split 1 without a time split, "
+                                "got " + std::to_string(p.num_seqs) + " sequences, v_split " +
+                                std::to_string(p.v_split) + ", segment_chunks " + std::to_string(p.segment_chunks));
+  }
+  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks, p.single_pass,
+                                        tail_items, p.longest_first);
   if (p.workspace_bytes < needed) {
     throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
                                 " bytes, the call needs " + std::to_string(needed));
@@ -47,12 +66,23 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
     KDA_CUDA_CHECK(cudaMemsetAsync(window_table(p), 0xFF,
                                    window_table_bytes(p.total_tokens, p.num_seqs, p.segment_chunks), stream));
   }
-  launch_prepare(p, stream);
+  if (overlap && tail_items > 0) {
+    // The overlap: zeroed ready flags; the lead; the tail and the recurrence, each a programmatic dependent of
+    // the kernel before it (kda_params.h, "The overlap").
+    KDA_CUDA_CHECK(cudaMemsetAsync(overlap_flags(p), 0, static_cast<size_t>(tail_items) * sizeof(uint32_t), stream));
+    launch_prepare(p, stream);
+    launch_prepare_tail(p, stream);
+    launch_recurrence(p, stream);
+    return;
+  }
+  FwdParams plain = p;
+  plain.lead_chunks = -1;  // a lead of the whole sequence leaves no tail: the ordinary two stages
+  launch_prepare(plain, stream);
   if (split) {
     launch_segment_scan(p, stream);
     launch_segment_compose(p, stream);
   }
-  launch_recurrence(p, stream);
+  launch_recurrence(plain, stream);
 }
 
 }  // namespace kda

@@ -15,6 +15,8 @@ namespace kda {
 // The stages of the forward: preparation (kda_prepare.cu), the time split's scan pass (kda_recurrence.cu)
 // and composition (kda_segment_compose.cu), the recurrence's finishing pass (kda_recurrence.cu).
 void launch_prepare(const FwdParams& p, cudaStream_t stream);
+// The overlap's tail preparation (kda_prepare.cu), a programmatic dependent of launch_prepare's kernel.
+void launch_prepare_tail(const FwdParams& p, cudaStream_t stream);
 void launch_segment_scan(const FwdParams& p, cudaStream_t stream);
 void launch_segment_compose(const FwdParams& p, cudaStream_t stream);
 void launch_recurrence(const FwdParams& p, cudaStream_t stream);

@@ -124,12 +124,37 @@ constexpr size_t window_table_bytes(int64_t total_tokens, int64_t num_seqs, int 
   return (raw + 127) / 128 * 128;
 }
 
-// Workspace: the chunk records, then (time split only) the window table and the per-(window, head) storage;
-// nothing under a single-pass plan (its records never leave shared memory).
+// ---- The overlap (docs/KERNEL.md, "The overlap") -----------------------------------------------------------
+// Fixed-length batches whose recurrence leaves SMs free, without a time split: the preparation kernel first
+// prepares the lead, chunks j < lead_chunks of every (sequence, head), on the whole GPU; then the tail kernel,
+// one CTA on each SM the recurrence leaves free, prepares the other chunks in chunk-major order (j, n, h) while the
+// recurrence runs, and publishes each record with a ready flag that the recurrence's producer warp waits for
+// before copying it. The flags, one uint32 per tail item in that order, follow the records in the workspace and
+// are zeroed at the start of every call.
+constexpr int64_t overlap_tail_items(int64_t seqlen, int64_t num_seqs, int64_t heads, int lead_chunks) {
+  if (lead_chunks < 0) return 0;
+  const int64_t chunks = (seqlen + kChunk - 1) / kChunk;
+  return chunks > lead_chunks ? (chunks - lead_chunks) * num_seqs * heads : 0;
+}
+// The tail item (and so the flag) of chunk j >= lead_chunks of sequence n, head h.
+constexpr int64_t overlap_tail_item(int64_t j, int64_t n, int h, int lead_chunks, int64_t num_seqs, int heads) {
+  return ((j - lead_chunks) * num_seqs + n) * heads + h;
+}
+
+// ---- Longest first (docs/KERNEL.md) ---------------------------------------------------------------------------
+// A varlen batch whose finishing pass takes more than one wave of 8-warp CTAs runs them longest sequence first
+// (all heads of the longest, then of the next), so that the longest do not start last: the boundary-check kernel
+// ranks the sequences by length (ties by index) into an int32 table of N entries after the records.
+constexpr int kLongestFirstMaxSeqs = 256;  // one CTA ranks them (kda_checks.cu)
+
+// Workspace: the chunk records, then one of (by plan; they exclude each other): the time split's window table and
+// per-(window, head) storage; the overlap's ready flags of the tail items; the longest-first order. Nothing under
+// a single-pass plan (its records never leave shared memory).
 constexpr size_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t heads, int segment_chunks,
-                                 bool single_pass = false) {
+                                 bool single_pass = false, int64_t tail_items = 0, bool longest_first = false) {
   if (single_pass) return 0;
-  size_t bytes = records_bytes(total_tokens, num_seqs, heads);
+  size_t bytes = records_bytes(total_tokens, num_seqs, heads) + static_cast<size_t>(tail_items) * sizeof(uint32_t);
+  if (longest_first) bytes += static_cast<size_t>(num_seqs) * sizeof(int32_t);
   if (segment_chunks > 0) {
     bytes += window_table_bytes(total_tokens, num_seqs, segment_chunks) +
              static_cast<size_t>(num_windows(total_tokens, num_seqs, segment_chunks)) * static_cast<size_t>(heads) *
@@ -181,6 +206,9 @@ struct FwdParams {
   int scan_v_split;    // scan-pass CTAs per (scanned segment, head) and map (P or Q)
   int segment_chunks;  // chunks per time segment; 0: no time split
   bool single_pass;    // one kernel prepares and runs each (sequence, head); needs v_split 1 and no time split
+  int lead_chunks;     // the overlap: chunks per sequence prepared before the recurrence starts; -1: no overlap
+  int tail_ctas;       // the overlap: CTAs of the tail kernel, one per SM the recurrence leaves free
+  bool longest_first;  // varlen, v_split 1, no time split: the finishing pass runs the longest sequences first
 };
 
 // Grid columns (grid.x) of the passes of a call, and so how a CTA column finds its work:
@@ -214,6 +242,14 @@ constexpr int64_t window_of(int64_t bos, int64_t n, int64_t j, int segment_chunk
 KDA_HOST_DEVICE inline WindowItem* window_table(const FwdParams& p) {
   return reinterpret_cast<WindowItem*>(static_cast<uint8_t*>(p.workspace) +
                                        records_bytes(p.total_tokens, p.num_seqs, p.heads));
+}
+KDA_HOST_DEVICE inline uint32_t* overlap_flags(const FwdParams& p) {
+  return reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.workspace) +
+                                     records_bytes(p.total_tokens, p.num_seqs, p.heads));
+}
+KDA_HOST_DEVICE inline int32_t* longest_first_order(const FwdParams& p) {
+  return reinterpret_cast<int32_t*>(static_cast<uint8_t*>(p.workspace) +
+                                    records_bytes(p.total_tokens, p.num_seqs, p.heads));
 }
 KDA_HOST_DEVICE inline uint8_t* window_data(const FwdParams& p, int64_t window, int head) {
   return reinterpret_cast<uint8_t*>(window_table(p)) +

@@ -35,6 +35,9 @@ struct Plan {
   int scan_v_split;    // scan-pass CTAs per (scanned segment, head, map)
   int segment_chunks;  // 0: no time split
   bool single_pass = false;  // one kernel prepares and runs each (sequence, head) (v_split 1, no time split)
+  int lead_chunks = -1;      // the overlap (kda_params.h): chunks prepared before the recurrence starts; -1: none
+  int tail_ctas = 0;         // the overlap: tail-kernel CTAs, one per SM the recurrence leaves free
+  bool longest_first = false;  // varlen: the finishing pass runs the longest sequences first (kda_params.h)
 };
 
 // The cost model of the time split, in microseconds (constants measured on the H200, docs/KERNEL.md).
@@ -156,14 +159,70 @@ inline Plan choose_two_stage_plan(int64_t total_tokens, int64_t seqlen, int64_t 
   return plan_with_segments(chunks, seqs, heads, sm_count, L);
 }
 
+// The overlap (kda_params.h): where one 8-warp finishing CTA per (sequence, head) leaves SMs free, the tail of the
+// preparation runs on them while the recurrence runs on the others, after a lead prepared by the whole GPU. The
+// lead is what the tail cannot catch up with: the recurrence takes pairs / kStep records per µs, the tail delivers
+// kTailRate per µs and SM, so the lead is chunks · (1 − supply / demand), plus a margin (a lead too short leaves
+// the recurrence waiting for the tail, pairs / supply µs per chunk missing; one too long costs the lead kernel's
+// ≈ 0.7 µs per chunk). Constants from the H200 (docs/KERNEL.md, "The overlap"): the tail alone prepares 0.83
+// records per µs and SM (T8192 H96, lead 0: 1.64 ms for 49,152 records on 36 SMs), and a finishing step beside it
+// takes 0.78 µs instead of 0.74 (the two share the memory).
+struct OverlapModel {
+  static constexpr double kStep = 0.78;      // µs per step of an 8-warp finishing CTA beside the tail
+  static constexpr double kTailRate = 0.8;   // records per µs of one SM of the tail kernel
+  static constexpr int kMarginDiv = 20;      // margin: chunks / kMarginDiv + 4
+  static constexpr int kMinTailSms = 8;      // fewer free SMs: no overlap
+  static constexpr int64_t kMinChunks = 64;  // shorter sequences: no overlap
+};
+inline int overlap_tail_ctas(int64_t pairs, int sm_count) {
+  return static_cast<int>(std::max<int64_t>(1, sm_count - pairs));
+}
+inline int overlap_lead_chunks(int64_t chunks, int64_t pairs, int sm_count) {
+  using M = OverlapModel;
+  const double demand = static_cast<double>(pairs) / M::kStep;
+  const double supply = M::kTailRate * overlap_tail_ctas(pairs, sm_count);
+  const double behind = supply >= demand ? 0.0 : 1.0 - supply / demand;
+  const int64_t lead = static_cast<int64_t>(behind * static_cast<double>(chunks) + 0.999) + chunks / M::kMarginDiv + 4;
+  return static_cast<int>(std::min(lead, chunks));
+}
+// Whether the overlap pays for a fixed-length batch of `pairs` (sequence, head) pairs of `chunks` chunks whose plan
+// has no time split: it runs each pair on one 8-warp CTA (0.74 µs per step) instead of a V split (0.65 µs per step at
+// v_split 2), so it is chosen where the V split would be 1 or 2 (more pairs than a quarter of the SMs) and so the
+// preparation it hides is worth more, with at least kMinTailSms SMs free for the tail.
+inline bool overlap_pays(int64_t chunks, int64_t pairs, int sm_count) {
+  return chunks >= OverlapModel::kMinChunks && 4 * pairs > sm_count && pairs + OverlapModel::kMinTailSms <= sm_count;
+}
+
+// Longest first (kda_params.h): where a varlen batch's unsplit finishing pass takes more than one wave of 8-warp
+// CTAs, a long sequence that happens to start last sets the end (varlen [1300, 547, 2048, 963, 271, 3063] H96:
+// 576 CTAs over 132 SMs, and the 3063-token ones started last). Ranked on the device, so it needs no sync.
+inline bool longest_first_pays(bool varlen, const Plan& plan, int64_t num_seqs, int heads, int sm_count) {
+  return varlen && plan.segment_chunks == 0 && !plan.single_pass && plan.v_split == 1 &&
+         num_seqs <= kLongestFirstMaxSeqs && num_seqs * heads > sm_count;
+}
+
 // The plan for a call. `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it;
-// `forced_single_pass` 1 forces the single pass (no time split, v_split 1), 0 forbids it, -1 leaves it to the plan.
+// `forced_single_pass` 1 forces the single pass (no time split, v_split 1), 0 forbids it, -1 leaves it to the plan;
+// `forced_lead_chunks` >= 0 forces the overlap with that lead on a fixed-length batch (v_split 1, no time split),
+// -1 forbids it, -2 leaves it to the plan.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
-                        int forced_segment_chunks = -1, int forced_single_pass = -1) {
+                        int forced_segment_chunks = -1, int forced_single_pass = -1, int forced_lead_chunks = -2) {
+  const int64_t chunks = (seqlen + kChunk - 1) / kChunk;
+  const int64_t pairs = num_seqs * heads;
+  if (forced_lead_chunks >= 0 && !varlen) {
+    // A lead of the whole sequence leaves nothing to overlap (fwd then runs the ordinary two stages).
+    return Plan{1, 1, 0, false, forced_lead_chunks, overlap_tail_ctas(pairs, sm_count)};
+  }
   if (forced_single_pass == 1) return Plan{1, 1, 0, true};
   Plan plan = choose_two_stage_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced_segment_chunks);
   const bool automatic = forced_single_pass == -1 && plan.segment_chunks == 0;
-  if (automatic && single_pass_pays(total_tokens, num_seqs, heads, sm_count)) plan = Plan{1, 1, 0, true};
+  if (automatic && single_pass_pays(total_tokens, num_seqs, heads, sm_count)) return Plan{1, 1, 0, true};
+  if (forced_lead_chunks == -2 && forced_segment_chunks < 0 && forced_single_pass != 1 && !varlen &&
+      plan.segment_chunks == 0 && !plan.single_pass && overlap_pays(chunks, pairs, sm_count)) {
+    const int lead = overlap_lead_chunks(chunks, pairs, sm_count);
+    if (lead < chunks) return Plan{1, 1, 0, false, lead, overlap_tail_ctas(pairs, sm_count)};
+  }
+  plan.longest_first = longest_first_pays(varlen, plan, num_seqs, heads, sm_count);
   return plan;
 }
 

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "kda/csrc/cuda_check.h"
+#include "kda/csrc/dependent_launch.h"
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
@@ -125,7 +126,7 @@ __device__ __forceinline__ uint64_t* init_ring(uint8_t* smem) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
       mbarrier_init(&full[st], 1);
-      mbarrier_init(&empty[st], kWarps);  // one arrival per consumer warp (CTAs with a producer warp)
+      mbarrier_init(&empty[st], kWarps * 32);  // one arrival per consumer thread (CTAs with a producer warp)
     }
     mbarrier_init_fence();
   }
@@ -437,9 +438,13 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
       register_fence(s);
       register_fence(po);
       if constexpr (kProducer) {
-        // The products above were this stage's last readers: release it to the producer warp.
+        // The products above were this stage's last readers: release it to the producer warp, every thread for
+        // its own reads of the stage (an mbarrier arrival releases the arriving thread's accesses only; with one
+        // arrival per warp after __syncwarp, compute-sanitizer's racecheck reported the refill's bulk copy against
+        // the other lanes' reads of β and 2^Γ; per-thread arrivals measured the same time, call 51). The __syncwarp
+        // orders every lane's ldmatrix of this stage's value rows before the next step's refill of them by any lane.
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(&full[kStages + stage_index]);  // its empty barrier (kEmptyOffset)
+        mbarrier_arrive(&full[kStages + stage_index]);  // its empty barrier (kEmptyOffset)
       }
     } else {
 #pragma unroll
@@ -477,7 +482,10 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
 
 // The producer warp of a two-warpgroup finishing CTA (its lane 0): the records of chunks c0 .. c0 + count - 1
 // into the ring, each stage refilled once all 8 consumer warps released it on its empty barrier.
-template <int kWarps>
+// kOverlap (kda_params.h, "The overlap"; no time split, so c0 = 0): a record past the lead is copied only once
+// its ready flag is set (the acquire half of the tail kernel's release), polled before the stage is free so that
+// the flag's round trip overlaps the consumers' steps.
+template <int kWarps, bool kOverlap>
 __device__ __forceinline__ void produce_records(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                                 const SeqBounds& bounds, int64_t c0, int64_t count) {
   using Smem = RecurrenceSmem<kWarps>;
@@ -487,8 +495,20 @@ __device__ __forceinline__ void produce_records(const FwdParams& p, uint8_t* sme
                               static_cast<size_t>(ChunkRecordLayout::kBytes);
   const size_t record_stride = static_cast<size_t>(p.heads) * ChunkRecordLayout::kBytes;
   const int steps = static_cast<int>(count);
+  const uint32_t* flag = nullptr;  // the overlap: the ready flag of the first tail record, then the next one
+  if constexpr (kOverlap) {
+    flag = overlap_flags(p) + overlap_tail_item(p.lead_chunks, n, h, p.lead_chunks, p.num_seqs, p.heads);
+  }
+  const int64_t flag_stride = p.num_seqs * p.heads;
   for (int c = 0; c < steps; ++c) {
     const int st = c % kStages;
+    if constexpr (kOverlap) {
+      if (c >= p.lead_chunks) {
+        while (ld_acquire_gpu(flag) == 0u) __nanosleep(32);
+        fence_proxy_async_global();  // the record's stores, seen through the flag, before the bulk copy reads it
+        flag += flag_stride;
+      }
+    }
     if (c >= kStages) mbarrier_wait_parity(&empty[st], ((c / kStages) - 1) & 1);
     mbarrier_arrive_expect_tx(&full[st], ChunkRecordLayout::kBytes);
     bulk_copy_g2s(smem + st * Smem::kStageBytes, record, ChunkRecordLayout::kBytes, &full[st]);
@@ -501,10 +521,13 @@ __device__ __forceinline__ void produce_records(const FwdParams& p, uint8_t* sme
 // whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
 template <int kWarps, bool kWgmma>
 constexpr int kFinishThreads = (kWarps + (kWgmma ? 1 : 0)) * 32;  // the wgmma CTAs add a producer warp
-template <typename InitT, typename FinalT, int kWarps, bool kWgmma, bool kHiLo>
+// kOverlap: the records past the lead arrive from the tail kernel while this grid runs (produce_records), and the
+// grid completes only after the tail grid has, so that the stream's next work waits for both.
+template <typename InitT, typename FinalT, int kWarps, bool kWgmma, bool kHiLo, bool kOverlap = false>
 __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurrence_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;
-  const int h = blockIdx.y;
+  // Longest first (kda_params.h): the grid is (head, rank), so CTAs start in the order of the sequences' lengths.
+  const int h = p.longest_first ? blockIdx.x : blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
   const int v_base = blockIdx.z * Smem::kRows + warp * 16;
@@ -514,7 +537,8 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
   uint64_t* full = init_ring<kWarps>(smem);
 
   const int L = p.segment_chunks;
-  int64_t n = blockIdx.x, j = 0;  // sequence and segment of this CTA column (kda_params.h, pass_columns)
+  // Sequence and segment of this CTA column (kda_params.h, pass_columns).
+  int64_t n = p.longest_first ? longest_first_order(p)[blockIdx.y] : blockIdx.x, j = 0;
   if (L > 0 && p.cu_seqlens == nullptr) {
     const int64_t segments = segment_count(p.seqlen, L);
     n = blockIdx.x / segments;
@@ -547,7 +571,10 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
   }
   if constexpr (kWgmma) {
     if (warp == kWarps) {  // the producer warp
-      if (lane == 0) produce_records<kWarps>(p, smem, full, n, h, bounds, c0, count);
+      if (lane == 0) {
+        produce_records<kWarps, kOverlap>(p, smem, full, n, h, bounds, c0, count);
+        if constexpr (kOverlap) grid_dependency_wait();
+      }
       return;
     }
   }
@@ -779,13 +806,26 @@ constexpr bool kUseWgmma = kWarps == 8;
 template <typename InitT, typename FinalT>
 void launch_finish(const FwdParams& p, cudaStream_t stream) {
   const int64_t columns = pass_columns(p).finish;
-  const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.v_split));
+  const dim3 grid = p.longest_first ? dim3(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.num_seqs))
+                                    : dim3(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads),
+                                           static_cast<unsigned>(p.v_split));
   with_warps(p.v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
     constexpr int kWarps = decltype(warps)::value;
     constexpr bool kHiLo = decltype(hi_lo)::value;
     constexpr bool kWgmma = kUseWgmma<kWarps>;
-    launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo>,
-                       kFinishThreads<kWarps, kWgmma>>(grid, p, stream);
+    if (p.lead_chunks < 0) {
+      launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo>,
+                         kFinishThreads<kWarps, kWgmma>>(grid, p, stream);
+    } else if constexpr (kWarps == 8) {
+      // The overlap: a programmatic dependent of the tail kernel, which lets it launch once every tail CTA holds
+      // its SM, so that these CTAs take the others (kda_prepare.cu).
+      constexpr auto kKernel = kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo, true>;
+      using Smem = RecurrenceSmem<kWarps>;
+      opt_in_dynamic_smem<kKernel>(Smem::kLaunchBytes);
+      launch_dependent(kKernel, grid, dim3(kFinishThreads<kWarps, kWgmma>), Smem::kLaunchBytes, stream, p);
+    } else {
+      throw std::invalid_argument("flash_kda: the overlap runs v_split 1, got v_split " + std::to_string(p.v_split));
+    }
   });
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }

@@ -16,6 +16,10 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
   shape — short, ragged, empty and one-token sequences, every state mode — against the twin's re-enactment.
 - ``forced_single_pass``: the same cases again under the single pass (one kernel prepares each block of 8 chunks
   into shared memory and runs it), which the plan picks for batches of many (sequence, head) pairs.
+- ``forced_overlap``: the fixed-length cases among them again under the overlap (the preparation's tail on the
+  SMs the recurrence leaves free, behind ready flags), with leads of 0, 1, 2 and 5 chunks in turn, so that
+  records from both preparation kernels meet in every kind of sequence; the plan picks it for T8192 H96-like
+  shapes (``fixed_h96`` runs it at T >= 1024).
 
 A state configuration is (state_io, state_dtype): state_io in STATE_IO, state dtype bf16 or fp32 ("none" for
 no_state, where no state tensor exists so the dtype has no meaning and is not repeated).
@@ -44,10 +48,11 @@ BATCHED_BT = ((2, 64), (2, 1024), (4, 256), (8, 128))
 VARLEN_H = (1, 4, 96)
 SLICES = (
     "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
-    "forced_vsplit", "forced_tsplit", "forced_single_pass",
+    "forced_vsplit", "forced_tsplit", "forced_single_pass", "forced_overlap",
 )  # fmt: skip
 FORCED_V_SPLITS = (1, 2, 4, 8)
 FORCED_SEGMENT_CHUNKS = (1, 2, 3, 5, 8)
+FORCED_LEAD_CHUNKS = (0, 1, 2, 5)
 
 # Input recipes of the adversarial slice (``Case.inputs``); "random" is the default everywhere.
 INPUT_RECIPES = (
@@ -81,6 +86,7 @@ class Case:
     v_split: int = 0  # recurrence V split forced through flash_kda.testing.force_plan; 0: automatic
     segment_chunks: int = -1  # time split forced through flash_kda.testing.force_plan; -1: automatic
     single_pass: bool | None = None  # the single pass forced on (True) or off (False); None: automatic
+    lead_chunks: int = -2  # the overlap forced with this lead (-1: off) through force_plan; -2: automatic
     final_dtype: str = ""  # final_state's dtype when it differs from state_dtype (fla: bf16 in, fp32 out)
     param_dtype: str = "fp32"  # A_log and dt_bias ("bf16" / "fp16": a model cast with layer.to(bf16))
     seed: int = -1  # -1: derived from the id
@@ -150,6 +156,8 @@ class Case:
             extras.insert(0, f"tsplit{self.segment_chunks}")
         if self.single_pass is not None:
             extras.insert(0, "single" if self.single_pass else "two_stage")
+        if self.lead_chunks >= -1:
+            extras.insert(0, f"lead{self.lead_chunks}")
         prefix = "".join(f"{x}_" for x in extras)
         return f"{prefix}{shape}_state_dtype={self.state_dtype}[{self.state_io}]"
 
@@ -212,6 +220,9 @@ def _adversarial() -> list[Case]:
     for seqlens in ((0, 16, 0, 33, 0), (0,), (0, 0), (5, 0), (0, 1), (1,), (16, 0, 17)):
         for io, dt in _state_configs():
             cases.append(Case("adversarial", H=4, seqlens=seqlens, state_io=io, state_dtype=dt))
+    # Longest first (more (sequence, head) pairs than SMs) with empty sequences and ties among the ranks.
+    for dt in STATE_DTYPES:
+        cases.append(Case("adversarial", H=96, seqlens=(0, 16, 0, 33, 0, 33), state_dtype=dt))
     for b in (1, 2):
         for io, dt in _state_configs():
             cases.append(Case("adversarial", H=4, B=b, T=0, state_io=io, state_dtype=dt))
@@ -263,6 +274,18 @@ def _forced_single_pass(base: list[Case]) -> list[Case]:
     return list(cases.values())
 
 
+def _forced_overlap(base: list[Case]) -> list[Case]:
+    """The fixed-length base cases again under the overlap, leads cycling through FORCED_LEAD_CHUNKS (varlen
+    batches run without it). An adversarial case that reads like a fixed-length one once it loses its prefix runs
+    once."""
+    cases: dict[str, Case] = {}
+    for c in (c for c in base if not c.varlen):
+        forced = dataclasses.replace(c, slice="forced_overlap",
+                                     lead_chunks=FORCED_LEAD_CHUNKS[len(cases) % len(FORCED_LEAD_CHUNKS)])
+        cases.setdefault(forced.id, forced)
+    return list(cases.values())
+
+
 def all_cases() -> list[Case]:
     cases = [Case("smoke", H=4, T=97, seed=0)]
     base = _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
@@ -270,6 +293,7 @@ def all_cases() -> list[Case]:
     adversarial = _adversarial()
     cases += base + _long_context() + adversarial + _forced_vsplit(base + adversarial)
     cases += _forced_tsplit(base + adversarial) + _forced_single_pass(base + adversarial)
+    cases += _forced_overlap(base + adversarial)
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases

@@ -1,6 +1,8 @@
 """CUDA graphs as a server uses them (GPU): capture flash_kda.fwd once, change the inputs' contents in place,
 replay, and get bit for bit what an eager call on the new contents gives — for varlen too, with new
-`cu_seqlens` boundaries (same N and T): the kernel reads them on the device at every launch.
+`cu_seqlens` boundaries (same N and T): the kernel reads them on the device at every launch (the longest-first
+order too). The shapes cover the plans: V split, single pass, the overlap (its programmatic dependent launches
+and zeroed flags), longest first.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def _eager(x: dict) -> tuple:
     "shape",
     [dict(B=2, T=300, H=8, seqlens=None, state_dtype=torch.bfloat16),
      dict(B=1, T=0, H=4, seqlens=(120, 0, 37, 203), state_dtype=torch.float32),
-     dict(B=1, T=0, H=96, seqlens=(64,) * 16, state_dtype=None)],
-    ids=["fixed_bf16", "varlen_fp32", "varlen_h96_no_state"],
+     dict(B=1, T=0, H=96, seqlens=(64,) * 16, state_dtype=None),
+     dict(B=1, T=2048, H=96, seqlens=None, state_dtype=torch.bfloat16),
+     dict(B=1, T=0, H=96, seqlens=(300, 40, 700, 90), state_dtype=torch.float32)],
+    ids=["fixed_bf16", "varlen_fp32", "varlen_h96_no_state", "overlap_h96", "longest_first_h96"],
 )  # fmt: skip
 def test_replay_after_new_contents_equals_eager(shape):
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -71,6 +75,11 @@ def test_replay_after_new_contents_equals_eager(shape):
         cu = torch.tensor([0] + torch.tensor(seqlens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
     x = _buffers(B, T, H, N, cu, shape["state_dtype"])
     _fill(x, gen)
+    plan = flash_kda.plan(x["q"], cu)
+    if H == 96 and seqlens is None:
+        assert plan.lead_chunks >= 0, plan  # the case is there for the overlap
+    if seqlens is not None and len(seqlens) == 4 and H == 96:
+        assert plan.longest_first, plan
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -72,7 +72,9 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     stage("inputs")
 
     forced_segments = case.segment_chunks if case.segment_chunks >= 0 else None
-    with testing.force_plan(v_split=case.v_split, segment_chunks=forced_segments, single_pass=case.single_pass):
+    forced_lead = case.lead_chunks if case.lead_chunks >= -1 else None
+    with testing.force_plan(v_split=case.v_split, segment_chunks=forced_segments, single_pass=case.single_pass,
+                            lead_chunks=forced_lead):
         flash_kda.fwd(**_fwd_args(x))
         plan = flash_kda.plan(x["q"], x["cu_seqlens"])
     stage(f"flash_kda.fwd {plan}")

@@ -2,8 +2,9 @@
 
 A child Python process runs small cases that reach the kernel's edge paths (a partial chunk, varlen with empty
 sequences, both state dtypes, no state, int32 cu_seqlens) and, with forced plans, the 8-warp CTAs whose
-products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1) and the single pass (a
-sequence of more than one block of 8 chunks, empty ones, a partial chunk) under each tool; the test asserts exit
+products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1), the single pass (a
+sequence of more than one block of 8 chunks, empty ones, a partial chunk) and the overlap (lead and tail
+records, a partial chunk) under each tool; the test asserts exit
 code 0 and the tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
 0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
 /usr/local/cuda/bin; where it is absent the test is skipped (with KDA_REQUIRE_GPU=1 it fails instead).
@@ -42,13 +43,17 @@ CHILD = textwrap.dedent(
          automatic),
         (matrix.Case("adversarial", H=2, seqlens=(5, 17), state_io="no_state"), automatic),
         (matrix.Case("batched", H=1, B=2, T=20, state_io="out_only", state_dtype="fp32"), automatic),
-        # 8-warp CTAs (wgmma): the finishing pass unsplit, then a time split whose scan runs them too.
+        # 8-warp CTAs (wgmma): the finishing pass unsplit, short and with more chunks than ring stages (the
+        # producer warp refills stages the consumers released), then a time split whose scan runs them too.
         (matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="bf16"), lambda: testing.force_plan(v_split=1)),
+        (matrix.Case("batched", H=2, B=2, T=90, state_dtype="bf16"), lambda: testing.force_plan(v_split=1)),
         (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 90, 0), state_dtype="fp32"),
          lambda: testing.force_plan(v_split=1, segment_chunks=2, scan_v_split=1)),
         # The single pass: its shared-memory ring written by the CTA's own warps, then read by wgmma.
         (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 150, 5), state_dtype="bf16"),
          lambda: testing.force_plan(single_pass=True)),
+        # The overlap: records of the lead kernel and of the tail kernel (behind ready flags), a partial chunk.
+        (matrix.Case("batched", H=2, B=2, T=90, state_dtype="fp32"), lambda: testing.force_plan(lead_chunks=2)),
     ]
     names = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound",
              "initial_state", "final_state", "cu_seqlens")
@@ -90,4 +95,5 @@ def test_compute_sanitizer(tool: str) -> None:
     assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
     assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
     ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
-    assert len(ran) == 9, f"only {len(ran)} of 9 cases ran under {tool}:\n{tail}"
+    expected = CHILD.count("matrix.Case(")
+    assert len(ran) == expected, f"{len(ran)} of {expected} cases ran under {tool}:\n{tail}"

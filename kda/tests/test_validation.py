@@ -456,7 +456,100 @@ def test_plan_keeps_full_gpus_unsplit(shape):
     assert plan.segment_chunks == 0
     short = -(-total // (16 * N)) <= 8  # mean sequence of at most 8 chunks: see the next test
     assert plan.single_pass == short
-    assert plan.v_split == plan.scan_v_split == (1 if short else testing.default_v_split(N, H, 132))
+    overlap = plan.lead_chunks >= 0  # T8192 H96 and H64: see test_plan_overlaps_where_sms_are_left_free
+    assert plan.v_split == plan.scan_v_split == (1 if short or overlap else testing.default_v_split(N, H, 132))
+
+
+@pytest.mark.parametrize(
+    "shape, expected",
+    [((8192, 8192, 1, 96, False), True), ((8192, 8192, 1, 64, False), True), ((16384, 8192, 2, 48, False), True),
+     ((8192, 8192, 1, 40, False), True), ((8192, 8192, 1, 112, False), True), ((8192, 8192, 1, 124, False), False),
+     ((8192, 8192, 1, 128, False), False), ((8192, 8192, 1, 32, False), False), ((2048, 2048, 1, 33, False), False),
+     ((8192, 1024, 8, 32, False), False), ((512, 512, 1, 96, False), False), ((8192, 8192, 6, 96, True), False)],
+    ids=str,
+)  # fmt: skip
+def test_plan_overlaps_where_sms_are_left_free(shape, expected):
+    """Fixed-length batches without a time split whose (sequence, head) pairs outnumber a quarter of the SMs and
+    leave at least 8 free run one 8-warp CTA per pair and the preparation's tail on the free SMs meanwhile
+    (kda_plan.h, overlap_pays): a lead that grows as fewer SMs are free, the tail on every free SM; where the lead
+    would be the whole sequence (8 free SMs at H124), the ordinary two stages."""
+    from flash_kda import testing
+
+    total, T, N, H, varlen = shape
+    plan = testing.default_plan(total, T, N, H, varlen, 132)
+    assert (plan.lead_chunks >= 0) == expected
+    if expected:
+        chunks = -(-T // 16)
+        assert plan.v_split == 1 and plan.segment_chunks == 0 and not plan.single_pass
+        assert 0 < plan.lead_chunks < chunks
+        assert plan.tail_ctas == 132 - N * H
+    else:
+        assert plan.lead_chunks == -1 and plan.tail_ctas == 0
+
+
+def test_overlap_lead_grows_as_free_sms_shrink():
+    from flash_kda import testing
+
+    leads = [testing.default_plan(8192, 8192, 1, H, False, 132).lead_chunks for H in (66, 80, 96, 112)]
+    assert leads == sorted(leads) and leads[0] < leads[-1]
+
+
+def test_force_plan_overlap():
+    """A forced lead runs the overlap on any fixed-length batch (v_split 1, one tail CTA at least), never on a
+    varlen one; it refuses the splits and the single pass."""
+    from flash_kda import _ext, testing
+
+    C = _ext.load()
+    assert api.Plan(*C.choose_plan(16384, 512, 32, 32, False, 132, -1, -1, 3)) == api.Plan(1, 1, 0, False, 3, 1)
+    assert api.Plan(*C.choose_plan(8192, 8192, 1, 4, False, 132, -1, -1, 0)) == api.Plan(1, 1, 0, False, 0, 128)
+    assert api.Plan(*C.choose_plan(8192, 8192, 6, 96, True, 132, -1, -1, 3)).lead_chunks == -1
+    assert api.Plan(*C.choose_plan(8192, 8192, 1, 96, False, 132, -1, -1, -1)).lead_chunks == -1
+    for kwargs in ({"v_split": 2}, {"segment_chunks": 4}, {"scan_v_split": 2}, {"single_pass": True}):
+        with pytest.raises(ValueError, match="lead_chunks >= 0 runs v_split 1"):
+            with testing.force_plan(lead_chunks=2, **kwargs):
+                pass
+    for bad in (-2, 1.5, True):
+        with pytest.raises(ValueError, match="lead_chunks must be"):
+            with testing.force_plan(lead_chunks=bad):
+                pass
+
+
+@pytest.mark.parametrize(
+    "shape, expected",
+    [((8192, 8192, 6, 96, True), True), ((8192, 8192, 8, 96, True), True), ((8192, 8192, 2, 96, True), True),
+     ((8192, 8192, 6, 16, True), False), ((8192, 8192, 64, 32, True), False), ((139264, 139264, 65, 4, True), False),
+     ((8192, 8192, 300, 96, True), False), ((8192, 8192, 6, 96, False), False)],
+    ids=str,
+)  # fmt: skip
+def test_plan_runs_longest_sequences_first(shape, expected):
+    """A varlen batch whose unsplit finishing pass takes more than one wave of 8-warp CTAs starts the longest
+    sequences first (kda_plan.h, longest_first_pays); not fixed-length batches, not the single pass (64 x 128),
+    not the time split (one long sequence among 64 short ones), not more than 256 sequences."""
+    from flash_kda import testing
+
+    total, T, N, H, varlen = shape
+    plan = testing.default_plan(total, T, N, H, varlen, 132)
+    assert plan.longest_first == expected
+    if expected:
+        assert plan.v_split == 1 and plan.segment_chunks == 0 and not plan.single_pass
+
+
+def test_workspace_grows_with_the_longest_first_order():
+    from flash_kda import _ext
+
+    C = _ext.load()
+    assert C.workspace_bytes(8192, 6, 96, 0, False, 0, True) == C.workspace_bytes(8192, 6, 96) + 6 * 4
+
+
+def test_workspace_grows_with_the_overlap():
+    """The overlap's ready flags, one uint32 per tail record (kda_params.h), follow the records."""
+    from flash_kda import _ext
+
+    C = _ext.load()
+    assert C.overlap_tail_items(8192, 2, 96, 100) == (512 - 100) * 2 * 96
+    assert C.overlap_tail_items(8192, 2, 96, 512) == 0
+    assert C.overlap_tail_items(8192, 2, 96, -1) == 0
+    assert C.workspace_bytes(16384, 2, 96, 0, False, 1000) == C.workspace_bytes(16384, 2, 96) + 4000
 
 
 @pytest.mark.parametrize(
@@ -474,7 +567,7 @@ def test_plan_runs_many_short_sequences_in_one_pass(shape, expected):
     total, T, N, H, varlen = shape
     plan = testing.default_plan(total, T, N, H, varlen, 132)
     v = testing.default_v_split(N, H, 132)
-    assert plan == (api.Plan(1, 1, 0, True) if expected else api.Plan(v, v, 0, False))
+    assert plan._replace(longest_first=False) == (api.Plan(1, 1, 0, True) if expected else api.Plan(v, v, 0, False))
 
 
 def test_two_stage_plan_splits_v_for_many_short_sequences():

@@ -32,6 +32,7 @@ _forced_v_split = 0  # 0: the plan chooses (forcing it forces the scan's V split
 _forced_scan_v_split = 0  # 0: the plan chooses
 _forced_segment_chunks: int | None = None  # None: the plan chooses; 0: no time split; L: segments of L chunks
 _forced_single_pass: bool | None = None  # None: the plan chooses (two stages whenever a V split is forced)
+_forced_lead_chunks: int | None = None  # None: the plan chooses; -1: no overlap; L >= 0: the overlap with lead L
 _DEFAULT_SM_COUNT = 132  # an H200/H100 SXM, for plans asked about CPU tensors
 
 
@@ -43,18 +44,26 @@ class Plan(NamedTuple):
     scan_v_split: int  # scan-pass CTAs per (scanned segment, head, map)
     segment_chunks: int  # time split: chunks (16 tokens) per segment; 0 = none
     single_pass: bool = False  # one kernel prepares and runs each (sequence, head); no workspace
+    lead_chunks: int = -1  # the overlap: chunks prepared before the recurrence starts, the rest beside it; -1 = none
+    tail_ctas: int = 0  # the overlap: CTAs of its tail kernel (one per SM the recurrence leaves free)
+    longest_first: bool = False  # varlen: the finishing pass starts the longest sequences first
 
 
 def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
     """The plan ``fwd`` uses for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``) on q's device.
 
     Host-only: shapes and the device's SM count, never tensor contents (so never a synchronisation)."""
+    return _plan_and_bytes(q, cu_seqlens)[0]
+
+
+def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[Plan, int]:
+    """``plan(q, cu_seqlens)`` and the kernels' workspace bytes under it, cached per shape (host time per call)."""
     B, T, H, _ = q.shape
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     sm_count = _sm_count(q.device) if q.device.type == "cuda" else _DEFAULT_SM_COUNT
     key = (B, T, H, N, cu_seqlens is not None, sm_count, _forced_v_split, _forced_scan_v_split,
-           _forced_segment_chunks, _forced_single_pass)
-    cached = _plans.get(key)  # a dict hit instead of an extension call on every fwd (host time per call)
+           _forced_segment_chunks, _forced_single_pass, _forced_lead_chunks)
+    cached = _plans.get(key)  # a dict hit instead of extension calls on every fwd
     if cached is not None:
         return cached
     forced_segments = -1 if _forced_segment_chunks is None else _forced_segment_chunks
@@ -62,20 +71,30 @@ def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
         forced_single = 0 if (_forced_v_split or _forced_scan_v_split) else -1  # a forced V split is two-stage
     else:
         forced_single = int(_forced_single_pass)
-    v_split, scan_v_split, segment_chunks, single_pass = _ext.load().choose_plan(
-        B * T, T, N, H, cu_seqlens is not None, sm_count, forced_segments, forced_single)
+    forced_lead = -2 if _forced_lead_chunks is None else _forced_lead_chunks
+    if forced_lead == -2 and (_forced_v_split or _forced_scan_v_split or _forced_segment_chunks is not None
+                              or _forced_single_pass is not None):
+        forced_lead = -1  # any other forced plan runs without the overlap
+    C = _ext.load()
+    v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, tail_ctas, longest_first = C.choose_plan(
+        B * T, T, N, H, cu_seqlens is not None, sm_count, forced_segments, forced_single, forced_lead)
     if _forced_v_split:
         v_split = scan_v_split = _forced_v_split
+        longest_first = longest_first and v_split == 1  # (the order is kept for 8-warp CTAs only)
     if _forced_scan_v_split:
         scan_v_split = _forced_scan_v_split
-    result = Plan(int(v_split), int(scan_v_split), int(segment_chunks), bool(single_pass))
+    run = Plan(int(v_split), int(scan_v_split), int(segment_chunks), bool(single_pass), int(lead_chunks),
+               int(tail_ctas), bool(longest_first))
+    tail_items = int(C.overlap_tail_items(T, N, H, run.lead_chunks))
+    result = run, int(C.workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass, tail_items,
+                                        run.longest_first))
     if len(_plans) >= _PLAN_CACHE_SIZE:
         _plans.clear()
     _plans[key] = result
     return result
 
 
-_plans: dict[tuple, Plan] = {}
+_plans: dict[tuple, tuple[Plan, int]] = {}
 _PLAN_CACHE_SIZE = 4096  # distinct shapes remembered (cleared when full)
 
 
@@ -380,8 +399,7 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
     C = _ext.load()
     index = q.device.index  # a CUDA tensor's device always has an index
     stream = _ext.current_stream(index)
-    run = plan(q, cu_seqlens)
-    kernel_bytes = C.workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass)
+    run, kernel_bytes = _plan_and_bytes(q, cu_seqlens)
     nbytes = kernel_bytes + (_host_cu_seqlens_bytes(N) if cu_on_host else 0)
     if workspace is None:
         workspace = _cached_workspace(index, stream, nbytes)
@@ -410,7 +428,7 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
         ptr(cu_seqlens), cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
         B, T, N, H, float(scale), float(lower_bound),
         ptr(workspace), workspace.numel(), ptr(status), run.v_split, run.scan_v_split, run.segment_chunks,
-        run.single_pass, stream, index,
+        run.single_pass, run.lead_chunks, run.tail_ctas, run.longest_first, stream, index,
     )  # fmt: skip
     return None
 
@@ -538,14 +556,13 @@ def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
     """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``).
 
     Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
-    a time split stores each segment's map, the single pass needs no records at all), which depends on the
-    device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for its device copy.
+    a time split stores each segment's map, the overlap a ready flag per tail record, the single pass needs no
+    records at all), which depends on the device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for
+    its device copy.
     """
-    B, T, H, _ = q.shape
-    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
     extra = _host_cu_seqlens_bytes(N) if cu_seqlens is not None and _cu_seqlens_on_host(q, cu_seqlens) else 0
-    run = plan(q, cu_seqlens)
-    return int(_ext.load().workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass)) + extra
+    return _plan_and_bytes(q, cu_seqlens)[1] + extra
 
 
 def _cu_seqlens_on_host(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:

@@ -10,7 +10,10 @@ matrix can run every plan on every shape:
         numerics.twin_forward(...)
 
 The single pass (one kernel that prepares and runs each (sequence, head)) computes the same bits as the two
-stages; ``force_plan(single_pass=True)`` runs it on any shape, ``single_pass=False`` keeps it out.
+stages; ``force_plan(single_pass=True)`` runs it on any shape, ``single_pass=False`` keeps it out. So does the
+overlap (the preparation's tail on the SMs the recurrence leaves free, while it runs):
+``force_plan(lead_chunks=L)`` runs it on any fixed-length batch with a lead of L chunks, ``lead_chunks=-1`` keeps
+it out.
 
 Not thread-safe and not meant for production code: it sets module-level overrides of ``flash_kda.api``.
 """
@@ -29,7 +32,7 @@ V_SPLITS = api._V_SPLITS
 
 @contextlib.contextmanager
 def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_split: int = 0,
-               single_pass: Optional[bool] = None) -> Iterator[None]:
+               single_pass: Optional[bool] = None, lead_chunks: Optional[int] = None) -> Iterator[None]:
     """Within the block, ``fwd`` on CUDA runs the forced plan.
 
     | arg | type | meaning |
@@ -38,6 +41,7 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
     | segment_chunks | int / None | time split into segments of this many 16-token chunks; 0: no split; None: automatic |
     | scan_v_split | int | 1, 2, 4 or 8 CTAs per map in the time split's scan; 0: v_split if forced, else automatic |
     | single_pass | bool / None | True: the single pass (no time split, v_split 1); False: two stages; None: automatic (two stages whenever a V split is forced) |
+    | lead_chunks | int / None | L >= 0: the overlap, lead of L chunks (fixed-length batches; v_split 1, no time split); -1: none; None: automatic (none when anything else is forced) |
     """
     for name, value in (("v_split", v_split), ("scan_v_split", scan_v_split)):
         if isinstance(value, bool) or not isinstance(value, int) or value not in (0, *V_SPLITS):
@@ -51,14 +55,22 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
     if single_pass and (v_split not in (0, 1) or scan_v_split or segment_chunks):
         raise ValueError("single_pass=True runs v_split 1 without a time split, got "
                          f"{v_split=}, {scan_v_split=}, {segment_chunks=}")
-    saved = api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split, api._forced_single_pass
+    if lead_chunks is not None and (isinstance(lead_chunks, bool) or not isinstance(lead_chunks, int)
+                                    or lead_chunks < -1):
+        raise ValueError(f"lead_chunks must be None (automatic), -1 (no overlap) or an int >= 0, got {lead_chunks=}")
+    if lead_chunks is not None and lead_chunks >= 0 and (v_split not in (0, 1) or scan_v_split or segment_chunks
+                                                          or single_pass):
+        raise ValueError("lead_chunks >= 0 runs v_split 1 without a time split or the single pass, got "
+                         f"{v_split=}, {scan_v_split=}, {segment_chunks=}, {single_pass=}")
+    saved = (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split, api._forced_single_pass,
+             api._forced_lead_chunks)
     api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split = v_split, segment_chunks, scan_v_split
-    api._forced_single_pass = single_pass
+    api._forced_single_pass, api._forced_lead_chunks = single_pass, lead_chunks
     try:
         yield
     finally:
-        (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split,
-         api._forced_single_pass) = saved
+        (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split, api._forced_single_pass,
+         api._forced_lead_chunks) = saved
 
 
 def default_v_split(num_seqs: int, heads: int, sm_count: int) -> int:
@@ -75,6 +87,4 @@ def default_plan(total_tokens: int, seqlen: int, num_seqs: int, heads: int, varl
     """The plan ``fwd`` chooses for these shapes on a GPU with ``sm_count`` SMs (nothing forced)."""
     from flash_kda import _ext  # noqa: PLC0415
 
-    v_split, scan_v_split, segment_chunks, single_pass = _ext.load().choose_plan(total_tokens, seqlen, num_seqs,
-                                                                                 heads, varlen, sm_count)
-    return api.Plan(int(v_split), int(scan_v_split), int(segment_chunks), bool(single_pass))
+    return api.Plan(*_ext.load().choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count))
