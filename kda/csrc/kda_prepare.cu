@@ -64,8 +64,8 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
 }
 
 // Chunk j of sequence n, head h, of a fixed-length batch (the overlap's items), into its record.
-__device__ __forceinline__ uint8_t* prepare_fixed_chunk(const FwdParams& p, int64_t j, int64_t n, int h, int lane,
-                                                        int warp) {
+__device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t j, int64_t n, int h, int lane,
+                                                    int warp) {
   const int64_t bos = n * p.seqlen;
   const int64_t remaining = p.seqlen - j * kChunk;
   const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
@@ -75,7 +75,6 @@ __device__ __forceinline__ uint8_t* prepare_fixed_chunk(const FwdParams& p, int6
                     (static_cast<size_t>(first_slot(bos, n) + j) * p.heads + h) *
                         static_cast<size_t>(ChunkRecordLayout::kBytes);
   prepare_chunk<false>(p, h, bos + j * kChunk, rows, record, sc.kd, lane);
-  return record;
 }
 
 // The overlap's lead: item = (n, j < lead_chunks, h) of a fixed-length batch.
@@ -170,6 +169,5 @@ void launch_prepare_tail(const FwdParams& p, cudaStream_t stream) {
   }
   KDA_CHECK_LAUNCH("kda_prepare_tail_kernel");
 }
-
 
 }  // namespace kda
