@@ -238,18 +238,19 @@ constexpr int64_t window_of(int64_t bos, int64_t n, int64_t j, int segment_chunk
   return (bos / kChunk + n + j * segment_chunks) / segment_chunks;
 }
 
-// Pointers into the workspace of a call (kda_params.h layout).
+// Pointers into the workspace of a call (kda_params.h layout). What follows the records depends on the plan, and
+// the three kinds exclude each other (workspace_bytes).
+KDA_HOST_DEVICE inline uint8_t* after_records(const FwdParams& p) {
+  return static_cast<uint8_t*>(p.workspace) + records_bytes(p.total_tokens, p.num_seqs, p.heads);
+}
 KDA_HOST_DEVICE inline WindowItem* window_table(const FwdParams& p) {
-  return reinterpret_cast<WindowItem*>(static_cast<uint8_t*>(p.workspace) +
-                                       records_bytes(p.total_tokens, p.num_seqs, p.heads));
+  return reinterpret_cast<WindowItem*>(after_records(p));
 }
 KDA_HOST_DEVICE inline uint32_t* overlap_flags(const FwdParams& p) {
-  return reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.workspace) +
-                                     records_bytes(p.total_tokens, p.num_seqs, p.heads));
+  return reinterpret_cast<uint32_t*>(after_records(p));
 }
 KDA_HOST_DEVICE inline int32_t* longest_first_order(const FwdParams& p) {
-  return reinterpret_cast<int32_t*>(static_cast<uint8_t*>(p.workspace) +
-                                    records_bytes(p.total_tokens, p.num_seqs, p.heads));
+  return reinterpret_cast<int32_t*>(after_records(p));
 }
 KDA_HOST_DEVICE inline uint8_t* window_data(const FwdParams& p, int64_t window, int head) {
   return reinterpret_cast<uint8_t*>(window_table(p)) +
