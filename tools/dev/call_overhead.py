@@ -11,44 +11,74 @@ Per bench_fwd case (indices into bench_fwd.CASES, comma-separated argument), ms 
 On the GPU machine, after `tools/offline/bazel-offline build //kda:py //kda/bench:all`:
   R=bazel-bin/kda/bench/bench_fwd.runfiles/flash_kda
   PYTHONPATH="$(pwd)/kda/bench:${R}/kda/python" /opt/torch/.venv/bin/python3 tools/dev/call_overhead.py 0,1,2
-(eleventh session, call 59: docs/MEASUREMENTS.md).
+(eleventh session, call 59, ran this probe before it was tidied into functions: the same timings, with its own
+copy of bench_fwd.time_ms's loop and a 64-byte larger workspace; docs/MEASUREMENTS.md).
 """
-import statistics, sys, torch
+import statistics
+import sys
+
+import torch
 from absl import flags
-import bench_fwd, flash_kda
-flags.FLAGS(["probe"])
-def timed(fn, iters=30, sleep_cycles=0):
-    for _ in range(3): fn()
+
+import bench_fwd
+import flash_kda
+
+flags.FLAGS(["call_overhead"])
+SCALE, LOWER_BOUND = bench_fwd.HEAD_DIM**-0.5, -5.0
+
+
+def time_after_sleep(fn, iters: int, sleep_cycles: int = 2_000_000) -> float:
+    """bench_fwd.time_ms's loop with a ~1 ms sleep on the stream before each start event, so the whole call is
+    enqueued before its first kernel can start."""
+    for _ in range(3):
+        fn()
     torch.cuda.synchronize()
-    ts = []
+    times = []
     for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if sleep_cycles: torch.cuda._sleep(sleep_cycles)
-        s.record(); fn(); e.record(); e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_of_call(inp: dict, case: bench_fwd.Case) -> torch.cuda.CUDAGraph:
+    """One call as bench_fwd.run_flash_kda makes it, with an explicit workspace (capture allocates nothing)."""
+    workspace = torch.empty(flash_kda.workspace_bytes(inp["q"], inp["cu_seqlens"]), dtype=torch.uint8, device="cuda")
+    out = torch.empty_like(inp["v"])
+    dtype = bench_fwd.STATE_DTYPES[case.state]
+    init = None if dtype is None else inp["init"].to(dtype)
+    final = None if init is None else torch.empty_like(init)
+
+    def call():
+        flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], SCALE, out, inp["A_log"], inp["dt_bias"],
+                      LOWER_BOUND, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"],
+                      workspace=workspace)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 print("| case | bench ms | GPU busy before ms | graph replay ms | span ms | bench - busy | busy - span |")
 print("|---|---:|---:|---:|---:|---:|---:|")
-for i in [int(x) for x in sys.argv[1].split(",")]:
-    case = bench_fwd.CASES[i]
+for index in (int(x) for x in sys.argv[1].split(",")):
+    case = bench_fwd.CASES[index]
     inp = bench_fwd.make_inputs(case, "cuda")
-    call, _ = bench_fwd.run_flash_kda(inp, case.state, bench_fwd.HEAD_DIM**-0.5, -5.0)
-    it = 30 if case.token_heads <= bench_fwd.LONG_TOKEN_HEADS else 8
-    a = timed(call, it)
-    b = timed(call, it, sleep_cycles=2_000_000)  # ~1 ms of sleep: the whole call is enqueued before it starts
-    c = bench_fwd.time_ms(call, 5, warmup=2, batch=20)
-    # graph: the same call with an explicit workspace, captured once
-    ws = torch.empty(flash_kda.workspace_bytes(inp["q"], inp["cu_seqlens"]) + 64, dtype=torch.uint8, device="cuda")
-    out = torch.empty_like(inp["v"]); st = bench_fwd.STATE_DTYPES[case.state]
-    init = None if st is None else inp["init"].to(st); fin = None if init is None else torch.empty_like(init)
-    def gcall():
-        flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], bench_fwd.HEAD_DIM**-0.5, out, inp["A_log"],
-                      inp["dt_bias"], -5.0, initial_state=init, final_state=fin, cu_seqlens=inp["cu_seqlens"], workspace=ws)
-    gcall(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gcall()
-    d = timed(g.replay, it)
-    print(f"| {case.name} | {a:.3f} | {b:.3f} | {d:.3f} | {c:.3f} | {1e3*(a-b):.0f} µs | {1e3*(b-c):.0f} µs |", flush=True)
-    del inp, call, ws, g
+    call, _ = bench_fwd.run_flash_kda(inp, case.state, SCALE, LOWER_BOUND)
+    iters = 30 if case.token_heads <= bench_fwd.LONG_TOKEN_HEADS else 8
+    bench = bench_fwd.time_ms(call, iters)
+    busy = time_after_sleep(call, iters)
+    span = bench_fwd.time_ms(call, 5, warmup=2, batch=20)
+    graph = graph_of_call(inp, case)
+    replay = bench_fwd.time_ms(graph.replay, iters)
+    print(f"| {case.name} | {bench:.3f} | {busy:.3f} | {replay:.3f} | {span:.3f} | {1e3 * (bench - busy):.0f} µs | "
+          f"{1e3 * (busy - span):.0f} µs |", flush=True)
+    del inp, call, graph
     torch.cuda.empty_cache()
