@@ -67,9 +67,11 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
                                    window_table_bytes(p.total_tokens, p.num_seqs, p.segment_chunks), stream));
   }
   if (overlap && tail_items > 0) {
-    // The overlap: zeroed ready flags; the lead; the tail and the recurrence, each a programmatic dependent of
-    // the kernel before it (kda_params.h, "The overlap").
-    KDA_CUDA_CHECK(cudaMemsetAsync(overlap_flags(p), 0, static_cast<size_t>(tail_items) * sizeof(uint32_t), stream));
+    // The overlap: the lead, which zeroes the ready flags (a memset where there is no lead); the tail and the
+    // recurrence, each a programmatic dependent of the kernel before it (kda_params.h, "The overlap").
+    if (p.lead_chunks == 0) {
+      KDA_CUDA_CHECK(cudaMemsetAsync(overlap_flags(p), 0, static_cast<size_t>(tail_items) * sizeof(uint32_t), stream));
+    }
     launch_prepare(p, stream);
     launch_prepare_tail(p, stream);
     launch_recurrence(p, stream);

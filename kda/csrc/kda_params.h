@@ -130,7 +130,7 @@ constexpr size_t window_table_bytes(int64_t total_tokens, int64_t num_seqs, int 
 // one CTA on each SM the recurrence leaves free, prepares the other chunks in chunk-major order (j, n, h) while the
 // recurrence runs, and publishes each record with a ready flag that the recurrence's producer warp waits for
 // before copying it. The flags, one uint32 per tail item in that order, follow the records in the workspace and
-// are zeroed at the start of every call.
+// are zeroed at the start of every call (by the lead's threads; by a memset where the lead is empty).
 constexpr int64_t overlap_tail_items(int64_t seqlen, int64_t num_seqs, int64_t heads, int lead_chunks) {
   if (lead_chunks < 0) return 0;
   const int64_t chunks = (seqlen + kChunk - 1) / kChunk;

@@ -86,6 +86,18 @@ __device__ __forceinline__ void prepare_lead_item(const FwdParams& p, int64_t it
   prepare_fixed_chunk(p, (item / H) % lead, item / (lead * H), static_cast<int>(item % H), lane, warp);
 }
 
+// The overlap's ready flags, zeroed by the lead's threads (grid-stride; one flag per thread unless the lead is
+// very short) instead of a memset before the lead: one launch less ahead of the call's first kernel. The tail
+// kernel waits for this grid to complete before it sets a flag, and the recurrence, which polls them, launches
+// only after that.
+__device__ __forceinline__ void zero_overlap_flags(const FwdParams& p) {
+  const int64_t flags = overlap_tail_items(p.seqlen, p.num_seqs, p.heads, p.lead_chunks);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < flags; i += stride) {
+    overlap_flags(p)[i] = 0u;
+  }
+}
+
 // kLead: the overlap's lead (prepare_lead_item); its tail kernel is launched as this grid's programmatic
 // dependent, so it may start once every CTA of this one has (and waits for this grid to complete before it
 // publishes anything).
@@ -94,6 +106,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32, kPrepCtasPerSm) kda_prepare_k
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrepWarps + warp;
   if constexpr (kLead) {
+    zero_overlap_flags(p);
     grid_launch_dependents();
     prepare_lead_item(p, item, lane, warp);
   } else {

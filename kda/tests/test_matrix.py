@@ -155,6 +155,27 @@ def test_deterministic(case: matrix.Case) -> None:
 
 
 @pytest.mark.kda_slice("adversarial")
+@pytest.mark.parametrize("lead_chunks", [0, 1, 5, None], ids=lambda L: "auto" if L is None else f"lead{L}")
+def test_overlap_ready_flags_start_at_zero(lead_chunks) -> None:
+    """The overlap's ready flags are zeroed by every call (by the lead kernel; a memset where the lead is empty),
+    whatever the workspace holds: a workspace of 0xFF bytes, where every stale flag reads "ready" and every record
+    is NaN, gives the bits of a zeroed one."""
+    case = matrix.Case("adversarial", H=40, T=2000, state_dtype="bf16")  # automatically an overlap (lead 10)
+    x = matrix.make_inputs(case, "cuda")
+    results = []
+    for fill in (0x00, 0xFF):
+        y = _fresh_outputs(x)
+        with testing.force_plan(lead_chunks=lead_chunks):
+            assert flash_kda.plan(x["q"]).lead_chunks >= 0, "the case must run the overlap"
+            nbytes = flash_kda.workspace_bytes(x["q"], x["cu_seqlens"])
+            workspace = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda")
+            flash_kda.fwd(**_fwd_args(y), workspace=workspace)
+        results.append(y)
+    for name in ("out", "final_state"):
+        compare.assert_bitwise_equal(results[1][name], results[0][name], f"{name} with a 0xFF workspace")
+
+
+@pytest.mark.kda_slice("adversarial")
 def test_cuda_graph_capture() -> None:
     """fwd neither synchronises nor allocates once its workspace is reserved, so it can be graph-captured."""
     case = matrix.Case("adversarial", H=4, seqlens=(17, 0, 100, 64))

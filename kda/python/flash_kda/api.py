@@ -61,8 +61,13 @@ def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[P
     B, T, H, _ = q.shape
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     sm_count = _sm_count(q.device) if q.device.type == "cuda" else _DEFAULT_SM_COUNT
-    key = (B, T, H, N, cu_seqlens is not None, sm_count, _forced_v_split, _forced_scan_v_split,
-           _forced_segment_chunks, _forced_single_pass, _forced_lead_chunks)
+    return _plan_for(B, T, H, N, cu_seqlens is not None, sm_count)
+
+
+def _plan_for(B: int, T: int, H: int, N: int, varlen: bool, sm_count: int) -> tuple[Plan, int]:
+    """``_plan_and_bytes`` from the shapes (fwd has them from its validation: no tensor reads again)."""
+    key = (B, T, H, N, varlen, sm_count, _forced_v_split, _forced_scan_v_split, _forced_segment_chunks,
+           _forced_single_pass, _forced_lead_chunks)
     cached = _plans.get(key)  # a dict hit instead of extension calls on every fwd
     if cached is not None:
         return cached
@@ -77,7 +82,7 @@ def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[P
         forced_lead = -1  # any other forced plan runs without the overlap
     C = _ext.load()
     v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, tail_ctas, longest_first = C.choose_plan(
-        B * T, T, N, H, cu_seqlens is not None, sm_count, forced_segments, forced_single, forced_lead)
+        B * T, T, N, H, varlen, sm_count, forced_segments, forced_single, forced_lead)
     if _forced_v_split:
         v_split = scan_v_split = _forced_v_split
         longest_first = longest_first and v_split == 1  # (the order is kept for 8-warp CTAs only)
@@ -102,7 +107,10 @@ _sm_counts: dict[int, int] = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _sm_count_of(index: int) -> int:
     count = _sm_counts.get(index)
     if count is None:
         count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -399,7 +407,7 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
     C = _ext.load()
     index = q.device.index  # a CUDA tensor's device always has an index
     stream = _ext.current_stream(index)
-    run, kernel_bytes = _plan_and_bytes(q, cu_seqlens)
+    run, kernel_bytes = _plan_for(B, T, H, N, cu_seqlens is not None, _sm_count_of(index))
     nbytes = kernel_bytes + (_host_cu_seqlens_bytes(N) if cu_on_host else 0)
     if workspace is None:
         workspace = _cached_workspace(index, stream, nbytes)
@@ -412,23 +420,24 @@ def _fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initia
         device_cu.copy_(cu_seqlens.to(torch.int64), non_blocking=True)
         cu_seqlens = device_cu
 
-    def ptr(t: torch.Tensor | None) -> int:
-        return 0 if t is None else t.data_ptr()
-
     # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens (a host
     # cu_seqlens was validated above, so its copy needs no device check).
     status = _status_word(index) if cu_seqlens is not None and not cu_on_host else None
     # The extension makes q's device current for the launches itself (a torch.cuda.device context costs more
     # host time than the launches).
+    # (Pointers read inline, 0 for None: a helper function's call per tensor is host time too.)
     C.fwd(
-        ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(A_log), _PARAM_TYPES[A_log.dtype], ptr(dt_bias),
-        _PARAM_TYPES[dt_bias.dtype], ptr(out),
-        ptr(initial_state), initial_state is not None and initial_state.dtype == torch.float32,
-        ptr(final_state), final_state is not None and final_state.dtype == torch.float32,
-        ptr(cu_seqlens), cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
+        _PARAM_TYPES[A_log.dtype], dt_bias.data_ptr(), _PARAM_TYPES[dt_bias.dtype], out.data_ptr(),
+        0 if initial_state is None else initial_state.data_ptr(),
+        initial_state is not None and initial_state.dtype == torch.float32,
+        0 if final_state is None else final_state.data_ptr(),
+        final_state is not None and final_state.dtype == torch.float32,
+        0 if cu_seqlens is None else cu_seqlens.data_ptr(), cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
         B, T, N, H, float(scale), float(lower_bound),
-        ptr(workspace), workspace.numel(), ptr(status), run.v_split, run.scan_v_split, run.segment_chunks,
-        run.single_pass, run.lead_chunks, run.tail_ctas, run.longest_first, stream, index,
+        workspace.data_ptr(), workspace.numel(), 0 if status is None else status.data_ptr(), run.v_split,
+        run.scan_v_split, run.segment_chunks, run.single_pass, run.lead_chunks, run.tail_ctas, run.longest_first,
+        stream, index,
     )  # fmt: skip
     return None
 
