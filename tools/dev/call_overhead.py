@@ -12,37 +12,22 @@ On the GPU machine, after `tools/offline/bazel-offline build //kda:py //kda/benc
   R=bazel-bin/kda/bench/bench_fwd.runfiles/flash_kda
   PYTHONPATH="$(pwd)/kda/bench:${R}/kda/python" /opt/torch/.venv/bin/python3 tools/dev/call_overhead.py 0,1,2
 (eleventh session, call 59, ran this probe before it was tidied into functions: the same timings, with its own
-copy of bench_fwd.time_ms's loop and a 64-byte larger workspace; docs/MEASUREMENTS.md).
+copy of bench_fwd.time_ms's loop and a 64-byte larger workspace; docs/MEASUREMENTS.md). The "busy" timing is
+call_timeline.head_start_ms at a 1 ms head start (twelfth session; call 67 ran this probe with its own copy of that
+loop, a 2,000,000-cycle sleep).
 """
-import statistics
 import sys
 
 import torch
 from absl import flags
 
 import bench_fwd
+import call_timeline  # tools/dev, beside this script
 import flash_kda
 
 flags.FLAGS(["call_overhead"])
+HEAD_START_US = 1000  # the "GPU busy before" sleep: the whole call is enqueued before its first kernel starts
 SCALE, LOWER_BOUND = bench_fwd.HEAD_DIM**-0.5, -5.0
-
-
-def time_after_sleep(fn, iters: int, sleep_cycles: int = 2_000_000) -> float:
-    """bench_fwd.time_ms's loop with a ~1 ms sleep on the stream before each start event, so the whole call is
-    enqueued before its first kernel can start."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(sleep_cycles)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def graph_of_call(inp: dict, case: bench_fwd.Case) -> torch.cuda.CUDAGraph:
@@ -66,6 +51,7 @@ def graph_of_call(inp: dict, case: bench_fwd.Case) -> torch.cuda.CUDAGraph:
     return graph
 
 
+cycles_per_us = call_timeline.sleep_cycles_per_us()
 print("| case | bench ms | GPU busy before ms | graph replay ms | span ms | bench - busy | busy - span |")
 print("|---|---:|---:|---:|---:|---:|---:|")
 for index in (int(x) for x in sys.argv[1].split(",")):
@@ -74,7 +60,7 @@ for index in (int(x) for x in sys.argv[1].split(",")):
     call, _ = bench_fwd.run_flash_kda(inp, case.state, SCALE, LOWER_BOUND)
     iters = 30 if case.token_heads <= bench_fwd.LONG_TOKEN_HEADS else 8
     bench = bench_fwd.time_ms(call, iters)
-    busy = time_after_sleep(call, iters)
+    busy = call_timeline.head_start_ms(call, HEAD_START_US, cycles_per_us, iters)[0]
     span = bench_fwd.time_ms(call, 5, warmup=2, batch=20)
     graph = graph_of_call(inp, case)
     replay = bench_fwd.time_ms(graph.replay, iters)
