@@ -24,16 +24,16 @@ static_assert(kChannelsPerLane == 4, "a lane owns one 8-byte piece of a 128-chan
 
 // Per-warp scratch of the preparation kernel: the bf16 operands of the two products, swizzled like the record.
 // Each tile first receives a raw input by async copy (kd: g, qd: q, ki: k); once the products are done, kd holds
-// A and β in fp32.
+// β·A in fp32 (row i of A times β_i: the substitution's factors).
 struct PrepScratch {
   __nv_bfloat16 kd[kChunk * kHeadDim];
   __nv_bfloat16 qd[kChunk * kHeadDim];
   __nv_bfloat16 ki[kChunk * kHeadDim];
 };
-// Row stride of A in the kd tile: 24 floats keeps each half-warp's 8-byte fragment stores free of bank conflicts.
+// Row stride of β·A in the kd tile: 24 floats keeps each half-warp's 8-byte fragment stores free of bank conflicts.
 constexpr int kAStride = 24;
 constexpr int kPrepTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16][128] tile
-static_assert((kChunk * kAStride + kChunk) * 4 <= kPrepTileBytes, "A and β must fit in one dead tile");
+static_assert(kChunk * kAStride * 4 <= kPrepTileBytes, "β·A must fit in one dead tile");
 
 // The lane's leaf of a squared norm over 128 values (lane l holding elements 4l..4l+3), in the order the twin
 // re-enacts: (x0²+x1²)+(x2²+x3²).
@@ -264,9 +264,9 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   __syncwarp();
 
   // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order. Mqk leaves from the
-  // accumulators, causally masked; A goes to a dead tile (kd, or ki once read) for the substitution.
+  // accumulators, causally masked; β·A goes to a dead tile (kd, or ki once read) for the substitution: its factors
+  // A_im·β_i, each rounded once here instead of once by every column's lane (the same value).
   float* a_rows = reinterpret_cast<float*>(kInSmem ? tile_ki : tile_kd);
-  float* beta_rows = a_rows + kChunk * kAStride;
   {
     float a_acc[2][4] = {}, m_acc[2][4] = {};
 #pragma unroll
@@ -287,21 +287,22 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
         mma_bf16_16816(m_acc[nt], qd_frag, b);
       }
     }
-    __syncwarp();  // every lane's fragments of the tile are read before A overwrites it
+    __syncwarp();  // every lane's fragments of the tile are read before β·A overwrites it
     const int gi = lane >> 2, ti = lane & 3;
+    const float beta_lo = __shfl_sync(0xffffffffu, my_beta, gi), beta_hi = __shfl_sync(0xffffffffu, my_beta, gi + 8);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = gi + 8 * half, col = 8 * nt + 2 * ti;  // accumulators 2·half, 2·half + 1
+        const float b = half == 0 ? beta_lo : beta_hi;
         *reinterpret_cast<float2*>(a_rows + row * kAStride + col) =
-            make_float2(a_acc[nt][2 * half], a_acc[nt][2 * half + 1]);
+            make_float2(__fmul_rn(a_acc[nt][2 * half], b), __fmul_rn(a_acc[nt][2 * half + 1], b));
         const float m0 = col <= row ? m_acc[nt][2 * half] : 0.f;
         const float m1 = col + 1 <= row ? m_acc[nt][2 * half + 1] : 0.f;
         *reinterpret_cast<uint32_t*>(rec_mqk + swizzle_narrow(row, col)) = pack_bf16x2(m0, m1);
       }
     }
-    if (lane < kChunk) beta_rows[lane] = my_beta;
   }
   __syncwarp();
 
@@ -314,7 +315,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       float acc = 0.f;
 #pragma unroll
       for (int m = 0; m < i; ++m) {
-        acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(a_rows[i * kAStride + m], beta_rows[i]), x[m]));
+        acc = __fadd_rn(acc, __fmul_rn(a_rows[i * kAStride + m], x[m]));
       }
       x[i] = __fsub_rn(i == j ? 1.f : 0.f, acc);
       rec_inv[swizzle_narrow(i, j)] = __float2bfloat16_rn(x[i]);
