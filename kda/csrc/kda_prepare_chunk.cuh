@@ -123,7 +123,10 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
 // lane overwrites only the 8 bytes it read), g to the tile, which later holds Ki and then A; the products read
 // Kd and Qd from the record. The same arithmetic in the same order either way, so the record's bits are the same.
 // On return every async copy this warp issued before the call has landed too.
-template <bool kInSmem>
+// kWholeSectorKrt (the preparation kernel, whose 132 SMs keep the L2 busy): Krᵀ's 32-byte rows leave as whole
+// sectors, lane pairs trading halves (docs/KERNEL.md, v15.1: 9-11 % off that kernel); the overlap's tail kernel, on
+// SMs of its own with the L2 to spare, keeps one 16-byte half per store.
+template <bool kInSmem, bool kWholeSectorKrt = false>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {
   const int H = p.heads;
@@ -253,13 +256,33 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     *reinterpret_cast<uint2*>(tile_ki + at) = ki_bits;
   }
   // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled).
+  if constexpr (kWholeSectorKrt) {
+    // Lane pairs trade halves so that each store writes whole 32-byte rows (L2 sectors) instead of 32 halves: the
+    // even lane writes half 0 and the odd lane half 1 of the pair's even row, then of its odd row.
+    const bool odd = (lane & 1) != 0;
+    const int even_ch0 = ch0 & ~4, odd_ch0 = ch0 | 4;
 #pragma unroll
-  for (int c = 0; c < kChannelsPerLane; ++c) {
-    const int row = ch0 + c;
-    *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 0)) =
-        make_uint4(krt_packed[c][0], krt_packed[c][1], krt_packed[c][2], krt_packed[c][3]);
-    *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 8)) =
-        make_uint4(krt_packed[c][4], krt_packed[c][5], krt_packed[c][6], krt_packed[c][7]);
+    for (int c = 0; c < kChannelsPerLane; ++c) {
+      uint32_t got[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        got[i] = __shfl_xor_sync(0xffffffffu, odd ? krt_packed[c][i] : krt_packed[c][4 + i], 1);
+      }
+      const uint4 mine0 = make_uint4(krt_packed[c][0], krt_packed[c][1], krt_packed[c][2], krt_packed[c][3]);
+      const uint4 mine1 = make_uint4(krt_packed[c][4], krt_packed[c][5], krt_packed[c][6], krt_packed[c][7]);
+      const uint4 theirs = make_uint4(got[0], got[1], got[2], got[3]);
+      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(even_ch0 + c, odd ? 8 : 0)) = odd ? theirs : mine0;
+      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(odd_ch0 + c, odd ? 8 : 0)) = odd ? mine1 : theirs;
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < kChannelsPerLane; ++c) {
+      const int row = ch0 + c;
+      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 0)) =
+          make_uint4(krt_packed[c][0], krt_packed[c][1], krt_packed[c][2], krt_packed[c][3]);
+      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 8)) =
+          make_uint4(krt_packed[c][4], krt_packed[c][5], krt_packed[c][6], krt_packed[c][7]);
+    }
   }
   __syncwarp();
 
