@@ -60,12 +60,10 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
   PrepScratch& sc = reinterpret_cast<PrepScratch*>(prep_smem)[warp];
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(slot) * H + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
-  prepare_chunk<false, true>(p, h, bounds.bos + chunk * kChunk, rows, record, sc.kd, lane);
+  prepare_chunk<false>(p, h, bounds.bos + chunk * kChunk, rows, record, sc.kd, lane);
 }
 
-// Chunk j of sequence n, head h, of a fixed-length batch (the overlap's items), into its record; Krᵀ as whole
-// sectors for the lead (prepare_chunk).
-template <bool kWholeSectorKrt>
+// Chunk j of sequence n, head h, of a fixed-length batch (the overlap's items), into its record.
 __device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t j, int64_t n, int h, int lane,
                                                     int warp) {
   const int64_t bos = n * p.seqlen;
@@ -76,7 +74,7 @@ __device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t 
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(first_slot(bos, n) + j) * p.heads + h) *
                         static_cast<size_t>(ChunkRecordLayout::kBytes);
-  prepare_chunk<false, kWholeSectorKrt>(p, h, bos + j * kChunk, rows, record, sc.kd, lane);
+  prepare_chunk<false>(p, h, bos + j * kChunk, rows, record, sc.kd, lane);
 }
 
 // The overlap's lead: item = (n, j < lead_chunks, h) of a fixed-length batch.
@@ -85,7 +83,7 @@ __device__ __forceinline__ void prepare_lead_item(const FwdParams& p, int64_t it
   const int64_t lead = p.lead_chunks < chunks ? p.lead_chunks : chunks;
   const int H = p.heads;
   if (item >= p.num_seqs * lead * H) return;  // warp-uniform
-  prepare_fixed_chunk<true>(p, (item / H) % lead, item / (lead * H), static_cast<int>(item % H), lane, warp);
+  prepare_fixed_chunk(p, (item / H) % lead, item / (lead * H), static_cast<int>(item % H), lane, warp);
 }
 
 // The overlap's ready flags, zeroed by the lead's threads (grid-stride; one flag per thread unless the lead is
@@ -141,7 +139,7 @@ __global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(co
        base += static_cast<int>(gridDim.x) * kTailWarps) {
     const int item = base + warp;
     if (item < items) {
-      prepare_fixed_chunk<false>(p, p.lead_chunks + item / per_chunk, (item / H) % N, item % H, lane, warp);
+      prepare_fixed_chunk(p, p.lead_chunks + item / per_chunk, (item / H) % N, item % H, lane, warp);
       // Release: every lane's record stores, for the async proxy (the bulk copy that reads the record) and
       // GPU-wide, before lane 0 sets the flag (run_chunks' producer warp has the acquire half).
       fence_proxy_async_global();

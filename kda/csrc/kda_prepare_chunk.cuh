@@ -123,10 +123,9 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
 // lane overwrites only the 8 bytes it read), g to the tile, which later holds Ki and then A; the products read
 // Kd and Qd from the record. The same arithmetic in the same order either way, so the record's bits are the same.
 // On return every async copy this warp issued before the call has landed too.
-// kWholeSectorKrt (the preparation kernel, whose 132 SMs keep the L2 busy): Krᵀ's 32-byte rows leave as whole
-// sectors, lane pairs trading halves (docs/KERNEL.md, v15.1: 9-11 % off that kernel); the overlap's tail kernel, on
-// SMs of its own with the L2 to spare, keeps one 16-byte half per store.
-template <bool kInSmem, bool kWholeSectorKrt = false>
+// Every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves) rather than two
+// partial ones: the L2 is the busiest unit of the preparation kernel (docs/KERNEL.md, v15.1 and v15.2).
+template <bool kInSmem>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {
   const int H = p.heads;
@@ -255,10 +254,10 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     }
     *reinterpret_cast<uint2*>(tile_ki + at) = ki_bits;
   }
-  // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled).
-  if constexpr (kWholeSectorKrt) {
-    // Lane pairs trade halves so that each store writes whole 32-byte rows (L2 sectors) instead of 32 halves: the
-    // even lane writes half 0 and the odd lane half 1 of the pair's even row, then of its odd row.
+  // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
+  // writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's even row, then of
+  // its odd row.
+  {
     const bool odd = (lane & 1) != 0;
     const int even_ch0 = ch0 & ~4, odd_ch0 = ch0 | 4;
 #pragma unroll
@@ -273,15 +272,6 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       const uint4 theirs = make_uint4(got[0], got[1], got[2], got[3]);
       *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(even_ch0 + c, odd ? 8 : 0)) = odd ? theirs : mine0;
       *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(odd_ch0 + c, odd ? 8 : 0)) = odd ? mine1 : theirs;
-    }
-  } else {
-#pragma unroll
-    for (int c = 0; c < kChannelsPerLane; ++c) {
-      const int row = ch0 + c;
-      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 0)) =
-          make_uint4(krt_packed[c][0], krt_packed[c][1], krt_packed[c][2], krt_packed[c][3]);
-      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(row, 8)) =
-          make_uint4(krt_packed[c][4], krt_packed[c][5], krt_packed[c][6], krt_packed[c][7]);
     }
   }
   __syncwarp();
@@ -313,18 +303,26 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     __syncwarp();  // every lane's fragments of the tile are read before β·A overwrites it
     const int gi = lane >> 2, ti = lane & 3;
     const float beta_lo = __shfl_sync(0xffffffffu, my_beta, gi), beta_hi = __shfl_sync(0xffffffffu, my_beta, gi + 8);
+    // Mqk's row gi + 8·half: lane ti holds columns 2ti, 2ti + 1 of both n-tiles; lane pairs trade so that the even
+    // lane stores columns 2ti .. 2ti + 3 and the odd one 2ti + 6 .. 2ti + 9, and 4 lanes write the row's whole sector.
+    const bool odd = (ti & 1) != 0;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int half = 0; half < 2; ++half) {
+      const int row = gi + 8 * half;
+      const float b = half == 0 ? beta_lo : beta_hi;
+      uint32_t m_bits[2];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = gi + 8 * half, col = 8 * nt + 2 * ti;  // accumulators 2·half, 2·half + 1
-        const float b = half == 0 ? beta_lo : beta_hi;
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = 8 * nt + 2 * ti;  // accumulators 2·half, 2·half + 1
         *reinterpret_cast<float2*>(a_rows + row * kAStride + col) =
             make_float2(__fmul_rn(a_acc[nt][2 * half], b), __fmul_rn(a_acc[nt][2 * half + 1], b));
         const float m0 = col <= row ? m_acc[nt][2 * half] : 0.f;
         const float m1 = col + 1 <= row ? m_acc[nt][2 * half + 1] : 0.f;
-        *reinterpret_cast<uint32_t*>(rec_mqk + swizzle_narrow(row, col)) = pack_bf16x2(m0, m1);
+        m_bits[nt] = pack_bf16x2(m0, m1);
       }
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? m_bits[0] : m_bits[1], 1);
+      *reinterpret_cast<uint2*>(rec_mqk + swizzle_narrow(row, 2 * ti + (odd ? 6 : 0))) =
+          odd ? make_uint2(got, m_bits[1]) : make_uint2(m_bits[0], got);
     }
   }
   __syncwarp();

@@ -17,8 +17,8 @@
 // per stage (issued by a producer warp in the finishing pass's CTAs of two warpgroups, which release each stage
 // on an "empty" mbarrier; the other CTAs refill behind a CTA barrier by warp 0); each warp fetches its own slice
 // of the 16 value rows with one cp.async per lane. Fragments come
-// out of shared memory with conflict-free ldmatrix, and outputs leave through movmatrix-transposed 4-byte
-// stores.
+// out of shared memory with conflict-free ldmatrix, and outputs leave through movmatrix-transposed stores
+// (8-byte stores filling whole 32-byte sectors in the wgmma CTAs, 4-byte ones in the others).
 #include <cuda_bf16.h>
 
 #include <stdexcept>
@@ -86,26 +86,52 @@ __device__ __forceinline__ void fill_record(uint8_t* stage, uint64_t* full, cons
 using StateRows = float[kHeadDim / 8][4];
 
 // Loads S rows v_base.. from a row-major [128][128] state of type T (the caller's initial state, or fp32
-// workspace states of the time split).
+// workspace states of the time split). Lane ti holds columns 8nt + 2ti, +1 of its rows; in bf16 that is 4 bytes
+// per n-tile, so lane pairs trade and each access moves 8 bytes: the even lane columns 16m + 2ti .. +3, the odd
+// one 16m + 2ti + 6 .. +9, and 4 lanes fill a row's 32-byte sector (fp32 pairs already do).
 template <typename T>
 __device__ __forceinline__ void load_rows(StateRows& s, const T* state, int v_base, int gi, int ti) {
 #pragma unroll
-  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+  for (int half = 0; half < 2; ++half) {
+    const T* row = state + (v_base + gi + 8 * half) * kHeadDim;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const bool odd = (ti & 1) != 0;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = v_base + gi + 8 * half;
-      load_pair<T>(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+      for (int m = 0; m < kHeadDim / 16; ++m) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(row + 16 * m + 2 * ti + (odd ? 6 : 0));
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? raw.x : raw.y, 1);
+        const uint32_t lo = odd ? got : raw.x, hi = odd ? raw.y : got;  // n-tiles 2m and 2m + 1
+        const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&lo);
+        const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&hi);
+        s[2 * m][2 * half] = __low2float(a), s[2 * m][2 * half + 1] = __high2float(a);
+        s[2 * m + 1][2 * half] = __low2float(b), s[2 * m + 1][2 * half + 1] = __high2float(b);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+        load_pair<T>(row + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+      }
     }
   }
 }
 template <typename T>
 __device__ __forceinline__ void store_rows(T* state, const StateRows& s, int v_base, int gi, int ti) {
 #pragma unroll
-  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+  for (int half = 0; half < 2; ++half) {
+    T* row = state + (v_base + gi + 8 * half) * kHeadDim;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const bool odd = (ti & 1) != 0;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = v_base + gi + 8 * half;
-      store_pair(state + row * kHeadDim + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+      for (int m = 0; m < kHeadDim / 16; ++m) {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(s[2 * m][2 * half], s[2 * m][2 * half + 1]);
+        const __nv_bfloat162 b = __floats2bfloat162_rn(s[2 * m + 1][2 * half], s[2 * m + 1][2 * half + 1]);
+        const uint32_t lo = *reinterpret_cast<const uint32_t*>(&a), hi = *reinterpret_cast<const uint32_t*>(&b);
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? lo : hi, 1);
+        *reinterpret_cast<uint2*>(row + 16 * m + 2 * ti + (odd ? 6 : 0)) = odd ? make_uint2(got, hi) : make_uint2(lo, got);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kHeadDim / 8; ++nt) store_pair(row + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
     }
   }
 }
@@ -396,16 +422,30 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     // (mma.sync: issued after, so that the next step's chain starts as early as possible; wgmma: first, in a
     // group of its own, so that the output stores overlap the state update).
     if constexpr (!kWgmma) decay_state();
-    // out[token][h][v] from Oᵀ: each 8x8 bf16 block is transposed in registers so a lane stores two adjacent
-    // v of one token.
+    // out[token][h][v] from Oᵀ: each 8x8 bf16 block is transposed in registers so a lane holds two adjacent v of
+    // one token (v 2ti, +1 of each half). In a wgmma CTA, whose stores run in the shadow of the state update, lane
+    // pairs then trade so that each lane stores 4 adjacent v (the even lane v 2ti .. +3, the odd one 2ti + 6 .. +9)
+    // and 4 lanes fill the token's 32-byte sector: half the L2 sector writes of two 4-byte stores.
     auto store_outputs = [&]() {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
+        uint32_t block[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const uint32_t block = movmatrix_trans(pack_bf16x2(po[2 + nt][2 * half], po[2 + nt][2 * half + 1]));
-          if (8 * nt + gi < rows_math) {  // token 8nt + gi of the chunk
-            *reinterpret_cast<uint32_t*>(out_chunk + nt * out_tile + 8 * half) = block;
+          block[half] = movmatrix_trans(pack_bf16x2(po[2 + nt][2 * half], po[2 + nt][2 * half + 1]));
+        }
+        const bool valid = 8 * nt + gi < rows_math;  // token 8nt + gi of the chunk
+        if constexpr (kWgmma) {
+          const bool odd = (ti & 1) != 0;
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? block[0] : block[1], 1);
+          if (valid) {
+            *reinterpret_cast<uint2*>(out_chunk + nt * out_tile + (odd ? 6 : 0)) =
+                odd ? make_uint2(got, block[1]) : make_uint2(block[0], got);
+          }
+        } else if (valid) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            *reinterpret_cast<uint32_t*>(out_chunk + nt * out_tile + 8 * half) = block[half];
           }
         }
       }
