@@ -1,7 +1,7 @@
 """FlashKDA demo: one realistic KDA forward on the best backend present, checked against float64.
 
 Backend: the sm_90a CUDA kernel when a compute-capability-9.0 GPU is visible (default T = 8192, H = 96, the
-SPEC's headline case), else the fp32 CPU path (default T = 2048, H = 4: it is slow). Prints the backend, the
+spec's headline case), else the fp32 CPU path (default T = 2048, H = 4: it is slow). Prints the backend, the
 shape, time per call, tokens/s (and, on the GPU, achieved bandwidth against the 1282 bytes per token-head the
 call must move), and the relative L2 errors of the output and final state against the float64 reference.
 

@@ -3,7 +3,7 @@
     tools/bazel run //kda/bench:bench_fwd -- --json=/tmp/b.json --markdown=/tmp/b.md --png=/tmp/b.png
 
 (on an air-gapped GPU machine: `tools/offline/bazel-offline run //kda/bench:bench_fwd -- ...`; the peers are built
-into /tmp/peers-site by ../shared/peers, see its README). A program that prints tables, not a test.
+into /tmp/peers-site as docs/PERFORMANCE.md "Reproducing it" describes). A program that prints tables, not a test.
 
 Per case, right after our call and on the same tensors, it times the peers:
 - fla ``chunk_kda`` (Triton), with ``FLA_FLASH_KDA=0`` so that fla never dispatches to a ``flash_kda`` package;
@@ -53,7 +53,7 @@ flags.DEFINE_string("json", None, "write every number and the run's metadata her
 flags.DEFINE_string("markdown", None, "write the tables here, under a header line (date, GPU, command)")
 flags.DEFINE_string("png", None, "write a bar chart of the three implementations here (needs matplotlib)")
 flags.DEFINE_integer("force_v_split", 0, "run our calls with this V split (flash_kda.testing.force_plan); 0: auto")
-flags.DEFINE_float("lower_bound", -5.0, "the gate lower bound of every case (SPEC: [-5, 0]; -0.01 decays slowly)")
+flags.DEFINE_float("lower_bound", -5.0, "the gate lower bound of every case (docs/SPEC.md §1: [-5, 0]; -0.01 decays slowly)")
 flags.DEFINE_enum("state", None, ["bf16", "fp32", "none"],
                   "run every selected case in this state mode (default: each case's own); the case name says so")
 flags.DEFINE_integer("force_segment_chunks", -1,
@@ -64,7 +64,7 @@ flags.DEFINE_integer("force_lead_chunks", -2,
                      "run our calls under the overlap with this lead (chunks; fixed-length cases), -1: without it, "
                      "-2: the automatic plan")
 
-BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): SPEC §5
+BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): docs/SPEC.md §5
 HEAD_DIM = 128
 LONG_TOKEN_HEADS = 16_000_000  # above this, fewer timed calls (each call takes long enough to be stable)
 IMPLS = ("flash_kda", "fla", "moonshot")
@@ -287,7 +287,7 @@ def load_moonshot(path: str):
     package = os.path.join(path, "flash_kda")
     init_py = os.path.join(package, "__init__.py")
     if not os.path.isfile(init_py):
-        raise ImportError(f"{init_py} not found (build it with ../shared/peers, or pass --moonshot_path)")
+        raise ImportError(f"{init_py} not found (install MoonshotAI FlashKDA there as docs/PERFORMANCE.md says, or pass --moonshot_path)")
     spec = importlib.util.spec_from_file_location("moonshot_flash_kda", init_py,
                                                   submodule_search_locations=[package])
     module = importlib.util.module_from_spec(spec)
@@ -301,7 +301,7 @@ def load_moonshot(path: str):
 
 
 def moonshot_version(path: str) -> Optional[str]:
-    """Best effort: the PEER_VERSION line that ../shared/peers/make_peers.sh writes next to the unpacked source."""
+    """Best effort: a PEER_VERSION line ("MoonshotAI/FlashKDA <commit>, cutlass <commit>") next to the peer's source."""
     for candidate in (os.path.join(path, "..", "peers-src", "PEER_VERSION"), os.path.join(path, "PEER_VERSION"),
                       os.path.join(path, "flash_kda", "PEER_VERSION")):
         try:

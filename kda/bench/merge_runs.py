@@ -1,11 +1,11 @@
 """Merges several bench_fwd --json runs into one table (JSON, markdown, PNG), one row per case.
 
-    bazel-bin/kda/bench/merge_runs --out=docs/bench-h200-DATE runA.json runB.json runM.json
+    bazel-bin/kda/bench/merge_runs --out=/tmp/bench-h200-DATE runA.json runB.json runM.json
 
 Runs are taken in the order given: a case keeps the first row found for it, so list the runs with both peers
 first. Each merged row keeps its own process's numbers (all three implementations of a row come from one
 run) and gets a "run" field (--labels, or A, B, … in argument order); the markdown header names every run's command. For a
-device budget too small for one run of every case with fla (whose Triton autotuning takes 80-110 s per new
+time limit too short for one run of every case with fla (whose Triton autotuning takes 80-110 s per new
 shape on a fresh machine). A program, not a test.
 """
 

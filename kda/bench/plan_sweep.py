@@ -7,7 +7,7 @@ Per case (bench_fwd's --cases / --case_names) and per plan in segments x v_split
 prepare_tail, scan, compose, recurrence), their sum and the GPU time per call of calls issued back to back (the
 call's span: what the overlap's concurrent stages take together), then the automatic plan's row and the best
 forced row (by span). The constants of kda_plan.h's SplitCostModel come from
-these tables (docs/KERNEL.md). A program, not a test; our kernel only (no peers).
+these tables (docs/DESIGN.md, "The plan"). A program, not a test; our kernel only (no peers).
 """
 
 from __future__ import annotations

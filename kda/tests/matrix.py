@@ -1,4 +1,4 @@
-"""The correctness matrix of SPEC §4 as data: one frozen ``Case`` per test case, grouped in named slices.
+"""The correctness matrix of docs/SPEC.md §4 as data: one frozen ``Case`` per test case, grouped in named slices.
 
 Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them in pytest):
 - ``smoke``: one small fixed-seed case, the quick sanity run.

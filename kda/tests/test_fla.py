@@ -1,7 +1,7 @@
 """fla's chunk_kda reaches flash_kda.fwd (GPU; fla 0.6.0 from the pinned wheels, @fla_wheels//:fla).
 
 fla 0.6 dispatches `chunk_kda` to an importable package named `flash_kda` under `torch.inference_mode()` when it
-is called with the SPEC §3 flags, unless `FLA_FLASH_KDA=0`. Each test counts the calls that reach
+is called with the docs/SPEC.md §3 flags, unless `FLA_FLASH_KDA=0`. Each test counts the calls that reach
 `flash_kda.fwd` and compares fla's results with a direct `flash_kda.fwd` call bit for bit.
 """
 

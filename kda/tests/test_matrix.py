@@ -1,4 +1,4 @@
-"""The correctness matrix (SPEC §4) on the GPU: kernel == numerics twin bit for bit, and close to float64.
+"""The correctness matrix (docs/SPEC.md §4) on the GPU: kernel == numerics twin bit for bit, and close to float64.
 
 Every case (matrix.py; ``--kda-slice`` picks slices):
 1. builds its inputs on the GPU from its seed, NaN-poisons ``out`` and ``final_state``;
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 # Bounds against float64, about 2x the worst errors measured on the H200 (2026-11-29, torch 2.11 / CUDA 13.0,
 # all 608 cases of matrix.py): out 5.6e-3 (adversarial; 4.9e-3 outside it), final_state 3.6e-3 (bf16) /
 # 3.2e-3 (fp32), worst 256-token window 5.8e-3 (varlen [16,16]). The inputs are seeded by case id, so these are
-# reproducible numbers, not samples. For scale: SPEC §5 measured MoonshotAI FlashKDA at out 5.7e-3 / state 4.8e-3,
+# reproducible numbers, not samples. For scale: MoonshotAI FlashKDA measures out 5.7e-3 / state 4.8e-3 (docs/PERFORMANCE.md),
 # and rounding the exact output to bf16 alone costs 1.66e-3.
 OUT_REL_L2 = 1e-2  # MEASURED: worst 5.6e-3
 STATE_REL_L2 = 7.5e-3  # MEASURED: worst 3.6e-3

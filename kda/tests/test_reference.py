@@ -1,6 +1,6 @@
 """Self-checks of the float64 ground truth (CPU; runs in CI).
 
-- The chunked algebra (SPEC §2) equals the token loop (SPEC §1) to ~1e-12 on varied shapes: partial chunks,
+- The chunked algebra (docs/SPEC.md §2) equals the token loop (docs/SPEC.md §1) to ~1e-12 on varied shapes: partial chunks,
   varlen with empty sequences, B > 1, bf16/fp32/no initial state, natural-log and base-2 gates, several C.
 - C = 1 reduces the chunked algebra to the recurrence itself.
 - Tiny cases worked out by hand from the definition, with math (not torch) doing the arithmetic.

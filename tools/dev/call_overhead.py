@@ -11,10 +11,8 @@ Per bench_fwd case (indices into bench_fwd.CASES, comma-separated argument), ms 
 On the GPU machine, after `tools/offline/bazel-offline build //kda:py //kda/bench:all`:
   R=bazel-bin/kda/bench/bench_fwd.runfiles/flash_kda
   PYTHONPATH="$(pwd)/kda/bench:${R}/kda/python" /opt/torch/.venv/bin/python3 tools/dev/call_overhead.py 0,1,2
-(eleventh session, call 59, ran this probe before it was tidied into functions: the same timings, with its own
-copy of bench_fwd.time_ms's loop and a 64-byte larger workspace; docs/MEASUREMENTS.md). The "busy" timing is
-call_timeline.head_start_ms at a 1 ms head start (twelfth session; call 67 ran this probe with its own copy of that
-loop, a 2,000,000-cycle sleep).
+The "busy" timing is call_timeline.head_start_ms at a 1 ms head start (a 2,000,000-cycle sleep); figures measured
+with it are in docs/PERFORMANCE.md.
 """
 import sys
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for kernel work on the GPU machine (through the offline bundle): build with the ptxas report,
+# One iteration of kernel work on the GPU machine (through the offline bundle): build with the ptxas report,
 # test the changed paths, benchmark against the peers, profile the stages; a summary is printed last.
 #
 #   tools/dev/gpu_iterate.sh [OUT_DIR]        (default /tmp/kda-iter)
@@ -8,12 +8,13 @@
 #   KDA_TESTS      bazel test arguments  (default: //kda/tests:all --test_tag_filters=-long_context,-sanitizer)
 #   KDA_BENCH      bench_fwd arguments   (default: --peers=moonshot)
 #   KDA_PROFILE    profile_kernels arguments (default: --cases=0,2,3,7 --iters=5)
-#   KDA_PEERS=1    build the peers first (bash .peers/build_peers.sh, ../shared/peers/README.md) in the background
+#   KDA_PEERS=1    build the peers first (bash .peers/build_peers.sh: a git-ignored script that installs
+#                  them into /tmp/peers-site, docs/PERFORMANCE.md "Reproducing it") in the background
 #   TRITON_CACHE_DIR  fla's Triton/autotuning cache (default /tmp/kda-triton-cache). fla autotunes 70-100 s per
-#                  new shape on a fresh machine; the cache travels between leases as .triton-cache/part-*
-#                  (git-ignored: carry it): unpacked before the benchmark when present, and with
+#                  new shape on a fresh machine; the cache travels between machines as .triton-cache/part-*
+#                  (git-ignored: copy it along): unpacked before the benchmark when present, and with
 #                  KDA_SAVE_TRITON_CACHE=DIR packed after it into DIR/triton-cache.part-* (xz, 15 MB parts, for
-#                  $OUT; copy them back into .triton-cache/ here). Only each kernel's .json and .cubin are packed
+#                  copying back; put them into .triton-cache/ here). Only each kernel's .json and .cubin are packed
 #                  (Triton loads a cached kernel from those two; 85 MB and 6.4 MB packed for all 15 bench cases).
 #   KDA_WARM_FLA=1 compile fla's Triton kernels for KDA_WARM_CASES (default: the 15 bench_fwd cases) while the
 #                  tests run, one bench_fwd process per case, with FLA_CACHE_RESULTS=0 so that no autotuning result

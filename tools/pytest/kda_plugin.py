@@ -42,7 +42,7 @@ def pytest_configure(config):
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     """Bazel sharding: keep every TEST_TOTAL_SHARDS-th test id, starting at TEST_SHARD_INDEX.
 
     Runs last, so -k / -m deselection has already happened and the shards split what is selected.
