@@ -1,6 +1,7 @@
-// The preparation of one 16-token chunk of one head by one warp (SPEC §2): everything of the chunk that does not
-// depend on the state S. Shared by the preparation and tail kernels (prepare.cu, prepare_tail.cu), which write it to
-// the workspace, and the single-pass kernel (single_pass.cuh), which writes it into its own shared-memory ring.
+// The preparation of one 16-token chunk of one head by one warp (docs/SPEC.md §2): everything of the chunk that
+// does not depend on the state S. Shared by the preparation and tail kernels (prepare.cu, prepare_tail.cu), which
+// write it to the workspace, and the single-pass kernel (single_pass.cuh), which writes it into its own
+// shared-memory ring.
 //
 // Lane l owns channels 4l..4l+3 of every row of the chunk. The warp computes L2-normalised q/k, the
 // per-channel log2 gates and their in-chunk cumulative sum G, Kd = k̂·2^G, Qd = scale·q̂·2^G, Kr = k̂·2^{Γ-G},
@@ -124,7 +125,7 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
 // Kd and Qd from the record. The same arithmetic in the same order either way, so the record's bits are the same.
 // On return every async copy this warp issued before the call has landed too.
 // Every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves) rather than two
-// partial ones: the L2 is the busiest unit of the preparation kernel (docs/KERNEL.md, v15.1 and v15.2).
+// partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
 template <bool kInSmem>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {

@@ -66,7 +66,7 @@ void with_state_types(const FwdParams& p, Launch launch) {
 // Which CTAs run their products as wgmma: those of two warpgroups, which share an SM's tensor cores and are
 // bound by their throughput (wgmma reads each B operand once per warpgroup, mma.sync once per warp). A CTA of
 // one warpgroup is bound by the step's dependent chain, which is shorter with mma.sync (three wgmma round
-// trips per step); docs/KERNEL.md has the measurements.
+// trips per step); docs/DESIGN.md, "The step", has the measurements.
 template <int kWarps>
 constexpr bool kUseWgmma = kWarps == 8;
 

@@ -13,7 +13,8 @@
 
 namespace kda {
 
-// Chunks in flight: hides the record's trip from HBM/L2 behind ~3 steps (6 and 8 measured slower: docs/KERNEL.md).
+// Chunks in flight: hides the record's trip from HBM/L2 behind ~3 steps (6 and 8 measured slower: docs/DESIGN.md,
+// "The step").
 constexpr int kStages = 4;
 
 // Shared-memory ring of kRingStages stages of one CTA that owns kWarps * 16 state rows.

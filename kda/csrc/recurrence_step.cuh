@@ -6,7 +6,7 @@
 // Grid (sequence or segment, head, V part): each CTA owns 128 / v_split state rows of one (sequence, head);
 // warp w of it owns 16 rows v for its whole chunk range, kept in fp32 mma accumulators laid out as S[v, k]
 // (rows v, columns k). The rows of S evolve independently, so warps and CTAs never exchange data and the V split changes no
-// bit. Per chunk (SPEC §2, transposed so that v is the mma row dimension):
+// bit. Per chunk (docs/SPEC.md §2, transposed so that v is the mma row dimension):
 //   Pᵀ  = bf16(S) · Kdᵀ               (16 x 16, K = 128)
 //   Oᵀ  = bf16(S) · Qdᵀ
 //   Wᵀ  = β ⊙ (Vᵀ − Pᵀ)               (fp32)
@@ -37,8 +37,8 @@ namespace kda {
 // kOutput: compute and store the chunk outputs (the finishing pass); the scan pass only needs the end state.
 // kValues: the value rows enter (state rows); transition rows (the map M of the time split) see v = 0.
 // kWgmma: the products as warpgroup wgmma (kWarps a multiple of 4) instead of per-warp mma.sync; the same
-// products in the same order, rounded the same way (docs/KERNEL.md), so no bit changes. With kOutput too (the
-// finishing pass) the CTA has a producer warp for the records (produce_records).
+// products in the same order, rounded the same way (docs/DESIGN.md, "The step"), so no bit changes. With kOutput
+// too (the finishing pass) the CTA has a producer warp for the records (produce_records).
 // Each product keeps its own order, so neither the step's schedule nor the ring's synchronisation changes a bit.
 // kHiLo: the state update adds bf16(Uᵀ − bf16(Uᵀ))·Kr after bf16(Uᵀ)·Kr (slow decay, kda_plan.h).
 // kSelfFed (the single pass): the CTA has already put the chunks' records and value rows into stages 0 .. count - 1
@@ -57,7 +57,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
   constexpr bool kProducer = kWgmma && kOutput && !kSelfFed;
   constexpr bool kOutputFirst = kWgmma && kOutput;
   // The 8-warp scan runs two CTAs per SM on 128 registers: bf16(S) in four parts and S ⊙ 2^Γ after Pᵀ, so that
-  // ptxas need not serialise the products (docs/KERNEL.md, v12).
+  // ptxas need not serialise the products (docs/DESIGN.md, "The step").
   constexpr bool kScanParts = kWgmma && !kOutput;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gi = lane >> 2, ti = lane & 3;
@@ -354,8 +354,9 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
         // The products above were this stage's last readers: release it to the producer warp, every thread for
         // its own reads of the stage (an mbarrier arrival releases the arriving thread's accesses only; with one
         // arrival per warp after __syncwarp, compute-sanitizer's racecheck reported the refill's bulk copy against
-        // the other lanes' reads of β and 2^Γ; per-thread arrivals measured the same time, call 51). The __syncwarp
-        // orders every lane's ldmatrix of this stage's value rows before the next step's refill of them by any lane.
+        // the other lanes' reads of β and 2^Γ; per-thread arrivals measured the same time on the H200, 2026-12-01).
+        // The __syncwarp orders every lane's ldmatrix of this stage's value rows before the next step's refill of
+        // them by any lane.
         __syncwarp();
         mbarrier_arrive(&full[kStages + stage_index]);  // its empty barrier (kEmptyOffset)
       }

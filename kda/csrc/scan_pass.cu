@@ -24,7 +24,7 @@ namespace {
 // but the plan picks 8-warp scans only when they outnumber the SMs 1.5 to 1 (kda_plan.h, plan_with_segments), and
 // two per SM run them in one wave instead of two (H200, scan ms, one / two per SM: T32768 H8 0.176 / 0.155,
 // T1048576 H1 0.677 / 0.639). The finishing pass keeps one per SM: two were slower on every shape, multi-wave
-// batches included (B32 T512 H32 0.264 / 0.297; docs/KERNEL.md).
+// batches included (B32 T512 H32 0.264 / 0.297; docs/DESIGN.md, "The time split").
 template <int kWarps>
 constexpr int kScanCtasPerSm = kWarps == 8 ? 2 : 1;
 template <int kWarps, bool kWgmma, bool kHiLo>

@@ -22,7 +22,8 @@ namespace kda {
 // prepare_chunk.cuh) while its value rows land, then runs their steps from the ring (run_chunks, kSelfFed).
 // No workspace records: 1,282 instead of 3,018 bytes per token-head cross HBM. The two halves of a block take turns
 // on the SM instead of sharing it (a co-resident preparation slows the steps about as much as it takes,
-// docs/KERNEL.md), so this pays where many (sequence, head) pairs fill the GPU, not where a few long ones run.
+// docs/DESIGN.md, "The single pass"), so this pays where many (sequence, head) pairs fill the GPU, not where a few
+// long ones run.
 constexpr int kSinglePassWarps = 8;
 constexpr int kSinglePassStages = kSinglePassWarps;  // one chunk per warp and block
 struct SinglePassSmem {
