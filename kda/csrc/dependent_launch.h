@@ -1,5 +1,5 @@
 // Launching a kernel as a programmatic dependent of the stream's previous kernel (the overlap's tail and
-// recurrence kernels, docs/KERNEL.md): it may start once every CTA of the previous grid has executed
+// recurrence kernels, docs/DESIGN.md, "The overlap"): it may start once every CTA of the previous grid has executed
 // griddepcontrol.launch_dependents (sm90_async.cuh) or exited, instead of once that grid has completed.
 #pragma once
 

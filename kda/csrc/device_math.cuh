@@ -10,7 +10,7 @@
 namespace kda {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNormEps = 1e-6f;  // inside the square root of the L2 norm (SPEC §1).
+constexpr float kNormEps = 1e-6f;  // inside the square root of the L2 norm (docs/SPEC.md §1).
 
 __device__ __forceinline__ float ex2_approx(float x) {
   float y;

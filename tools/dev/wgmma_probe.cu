@@ -7,7 +7,8 @@
 //
 // "EXACT" lines count the fp32 results that differ bit-wise from the mma.sync chain (must be 0) and give the
 // relative error against float64 (checks the layouts); "STEP" lines give µs per 16-token step for one CTA per
-// SM of 8 or 4 warps (two CTAs per SM at grid 264). Results (H200, 2026-11-30): docs/NUMERICS.md and docs/PERFORMANCE.md.
+// SM of 8 or 4 warps (two CTAs per SM at grid 264). Measured on the H200, 2026-11-30:
+// docs/DESIGN.md, "The step".
 #include <cuda_bf16.h>
 #include <cstdio>
 #include <cstdlib>

@@ -1,6 +1,7 @@
-// The preparation of one 16-token chunk of one head by one warp (SPEC §2): everything of the chunk that does not
-// depend on the state S. Shared by the preparation kernel (kda_prepare.cu), which writes it to the workspace, and
-// the single-pass kernel (kda_recurrence.cu), which writes it into its own shared-memory ring.
+// The preparation of one 16-token chunk of one head by one warp (docs/SPEC.md §2): everything of the chunk that
+// does not depend on the state S. Shared by the preparation and tail kernels (prepare.cu, prepare_tail.cu), which
+// write it to the workspace, and the single-pass kernel (single_pass.cuh), which writes it into its own
+// shared-memory ring.
 //
 // Lane l owns channels 4l..4l+3 of every row of the chunk. The warp computes L2-normalised q/k, the
 // per-channel log2 gates and their in-chunk cumulative sum G, Kd = k̂·2^G, Qd = scale·q̂·2^G, Kr = k̂·2^{Γ-G},
@@ -124,7 +125,7 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
 // Kd and Qd from the record. The same arithmetic in the same order either way, so the record's bits are the same.
 // On return every async copy this warp issued before the call has landed too.
 // Every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves) rather than two
-// partial ones: the L2 is the busiest unit of the preparation kernel (docs/KERNEL.md, v15.1 and v15.2).
+// partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
 template <bool kInSmem>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {
@@ -342,6 +343,21 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       rec_inv[swizzle_narrow(i, j)] = __float2bfloat16_rn(x[i]);
     }
   }
+}
+
+
+// Chunk j of sequence n, head h, of a fixed-length batch (the overlap's items), into its record.
+__device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t j, int64_t n, int h, int lane,
+                                                    int warp) {
+  const int64_t bos = n * p.seqlen;
+  const int64_t remaining = p.seqlen - j * kChunk;
+  const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
+  extern __shared__ __align__(16) uint8_t prep_smem[];
+  PrepScratch& sc = reinterpret_cast<PrepScratch*>(prep_smem)[warp];
+  uint8_t* record = static_cast<uint8_t*>(p.workspace) +
+                    (static_cast<size_t>(first_slot(bos, n) + j) * p.heads + h) *
+                        static_cast<size_t>(ChunkRecordLayout::kBytes);
+  prepare_chunk<false>(p, h, bos + j * kChunk, rows, record, sc.kd, lane);
 }
 
 }  // namespace prep

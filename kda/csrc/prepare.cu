@@ -1,17 +1,16 @@
 // KDA forward, stage 1 of 2: the token-parallel preparation kernel.
 //
 // One warp per (chunk slot, head) item; warps never wait for each other, so many items are in flight per SM.
-// Each item is one chunk's preparation (kda_prepare_chunk.cuh: everything of a 16-token chunk that does not
+// Each item is one chunk's preparation (prepare_chunk.cuh: everything of a 16-token chunk that does not
 // depend on the state S), written to the workspace as one record in the recurrence kernel's shared-memory
 // image (kda_params.h).
 #include <cuda_bf16.h>
 
 #include "kda/csrc/cuda_check.h"
-#include "kda/csrc/dependent_launch.h"
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
-#include "kda/csrc/kda_prepare_chunk.cuh"
+#include "kda/csrc/prepare_chunk.cuh"
 #include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/smem_opt_in.h"
 
@@ -20,6 +19,7 @@ namespace {
 
 using prep::PrepScratch;
 using prep::prepare_chunk;
+using prep::prepare_fixed_chunk;
 
 // Eight independent warps per CTA and two CTAs per SM: shared memory allows 18 warps (12 KB each), registers
 // are capped at 128 to match 16. CTAs of 8 rather than 2 warps keep an SM's warps on two stretches of the
@@ -63,19 +63,6 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
   prepare_chunk<false>(p, h, bounds.bos + chunk * kChunk, rows, record, sc.kd, lane);
 }
 
-// Chunk j of sequence n, head h, of a fixed-length batch (the overlap's items), into its record.
-__device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t j, int64_t n, int h, int lane,
-                                                    int warp) {
-  const int64_t bos = n * p.seqlen;
-  const int64_t remaining = p.seqlen - j * kChunk;
-  const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
-  extern __shared__ __align__(16) uint8_t prep_smem[];
-  PrepScratch& sc = reinterpret_cast<PrepScratch*>(prep_smem)[warp];
-  uint8_t* record = static_cast<uint8_t*>(p.workspace) +
-                    (static_cast<size_t>(first_slot(bos, n) + j) * p.heads + h) *
-                        static_cast<size_t>(ChunkRecordLayout::kBytes);
-  prepare_chunk<false>(p, h, bos + j * kChunk, rows, record, sc.kd, lane);
-}
 
 // The overlap's lead: item = (n, j < lead_chunks, h) of a fixed-length batch.
 __device__ __forceinline__ void prepare_lead_item(const FwdParams& p, int64_t item, int lane, int warp) {
@@ -114,42 +101,6 @@ __global__ void __launch_bounds__(kPrepWarps * 32, kPrepCtasPerSm) kda_prepare_k
   }
 }
 
-// The overlap's tail: one CTA of kTailWarps warps per SM that the recurrence leaves free (its registers leave room
-// for neither a second tail CTA nor a recurrence CTA), launched as a programmatic dependent of the
-// preparation kernel; the recurrence kernel is in turn launched as its dependent, once every tail CTA has waited
-// for the lead to complete. Its warps take the tail items (j, n, h) in chunk-major order, the order in which the
-// recurrence needs them, kTailWarps items per CTA at a time, each warp at its own pace (a CTA barrier per round of
-// items measured 10 % slower: 1.66 against 1.51 ms for T8192 H96's 49,152 records on 36 SMs, call 50), and publish
-// each record with its ready flag. 12 warps of 168 registers: 16 of 128 spill 120 bytes and ran no faster, 8 of 255
-// slower (call 49).
-constexpr int kTailWarps = 12;
-
-__global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(const FwdParams p) {
-  grid_dependency_wait();   // the lead's records and the flags' zeroing are complete and visible
-  grid_launch_dependents();  // the recurrence may launch once every tail CTA is here
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // 32-bit item arithmetic (registers): a workspace of 868 bytes per token-head that fits in memory has far
-  // fewer than 2^31 records.
-  const int H = p.heads;
-  const int N = static_cast<int>(p.num_seqs);
-  const int items = static_cast<int>(overlap_tail_items(p.seqlen, p.num_seqs, H, p.lead_chunks));
-  const int per_chunk = N * H;
-  uint32_t* flags = overlap_flags(p);
-  for (int base = static_cast<int>(blockIdx.x) * kTailWarps; base < items;
-       base += static_cast<int>(gridDim.x) * kTailWarps) {
-    const int item = base + warp;
-    if (item < items) {
-      prepare_fixed_chunk(p, p.lead_chunks + item / per_chunk, (item / H) % N, item % H, lane, warp);
-      // Release: every lane's record stores, for the async proxy (the bulk copy that reads the record) and
-      // GPU-wide, before lane 0 sets the flag (run_chunks' producer warp has the acquire half).
-      fence_proxy_async_global();
-      __threadfence();
-      __syncwarp();
-      if (lane == 0) st_release_gpu(&flags[item], 1u);
-    }
-  }
-}
-
 }  // namespace
 
 void launch_prepare(const FwdParams& p, cudaStream_t stream) {
@@ -168,19 +119,6 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
     kda_prepare_kernel<false><<<static_cast<unsigned>(blocks), kPrepWarps * 32, kSmemBytes, stream>>>(p);
   }
   KDA_CHECK_LAUNCH("kda_prepare_kernel");
-}
-
-void launch_prepare_tail(const FwdParams& p, cudaStream_t stream) {
-  constexpr int kSmemBytes = kTailWarps * static_cast<int>(sizeof(PrepScratch));
-  constexpr auto kKernel = kda_prepare_tail_kernel;
-  opt_in_dynamic_smem<kKernel>(kSmemBytes);
-  const dim3 grid(static_cast<unsigned>(p.tail_ctas)), block(kTailWarps * 32);
-  if (p.lead_chunks > 0) {
-    launch_dependent(kKernel, grid, block, kSmemBytes, stream, p);
-  } else {
-    kKernel<<<grid, block, kSmemBytes, stream>>>(p);  // no lead kernel to depend on
-  }
-  KDA_CHECK_LAUNCH("kda_prepare_tail_kernel");
 }
 
 }  // namespace kda

@@ -1,0 +1,8 @@
+// The finishing pass's kernels for an fp32 initial state and an fp32 final state (finish_pass.cuh).
+#include "kda/csrc/finish_pass.cuh"
+
+namespace kda {
+
+template void launch_finish_pass<float, float>(const FwdParams& p, cudaStream_t stream);
+
+}  // namespace kda
