@@ -6,7 +6,7 @@ torch.compile takes). A program, not a test:
 On a tiny problem (T = 16, H = 1: the GPU finishes each launch long before the host issues the next) the
 host's wall time per call is the cost of validation, dispatch and the two launches. Prints µs per call
 (median of 5 rounds) for both paths, with and without the state buffers and with cu_seqlens, then where a
-direct call's time goes (each step of api._fwd_eager timed alone, next to the torch calls it avoids).
+direct call's time goes (each step of launch.run timed alone, next to the torch calls it avoids).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _enter_device(device: torch.device) -> None:
 
 
 def _breakdown(x: dict) -> None:
-    """Where a direct call's host time goes: each step of api._fwd_eager timed alone."""
-    from flash_kda import _ext, api
+    """Where a direct call's host time goes: each step of launch.run timed alone."""
+    from flash_kda import _ext, api, planning, validation
 
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
             x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"], None)
@@ -76,20 +76,20 @@ def _breakdown(x: dict) -> None:
     index = q.device.index
     C = _ext.load()
     run = api.plan(q)
+    dims = (q.shape[0], q.shape[1], q.shape[2], q.shape[0], False)  # B, T, H, N, varlen
     ws = api.reserve_workspace(api.workspace_bytes(q), q.device)
-    launch_args = (q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
-                   x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
-                   False, 1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), ws.data_ptr(),
-                   ws.numel(), 0, run.v_split, run.scan_v_split, run.segment_chunks, run.single_pass,
-                   run.lead_chunks, run.tail_ctas, run.longest_first, _ext.current_stream(index), index)  # fmt: skip
+    launch_args = ((q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
+                    x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
+                    False), (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"])), run,
+                   (ws.data_ptr(), ws.numel(), 0, _ext.current_stream(index), index))  # fmt: skip
     steps = {
         "whole flash_kda.fwd": lambda: api.fwd(*args[:13]),
-        "api._validate": lambda: api._validate(*args, concrete=True),
+        "validation.validate": lambda: validation.validate(*args, concrete=True),
         "api.plan (cached)": lambda: api.plan(q),
         "_ext.current_stream": lambda: _ext.current_stream(index),
         "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
         "with torch.cuda.device(q.device): pass": lambda: _enter_device(q.device),
-        "api._plan_and_bytes (cached)": lambda: api._plan_and_bytes(q, None),
+        "planning.plan_for (cached)": lambda: planning.plan_for(*dims, planning.sm_count_of(index)),
         "C.fwd (launches only)": lambda: C.fwd(*launch_args),
     }
     print("\n| step of a direct call (no state) | µs |\n|---|---:|")

@@ -1,12 +1,15 @@
 // pybind11 module flash_kda._C. Device work takes raw device pointers and a stream handle (integers from
 // torch's data_ptr() and its current raw stream), so the extension needs no libtorch and imports on
-// machines without a GPU. Argument checking lives in Python (flash_kda/api.py); this layer only converts.
+// machines without a GPU. Argument checking lives in Python (flash_kda/validation.py); this layer only converts.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/kda_launch.h"
@@ -45,58 +48,209 @@ class CurrentDevice {
   bool switched_ = false;
 };
 
-kda::ParamType param_type(int code, const char* name) {
-  if (code < 0 || code > 2) {
-    throw std::invalid_argument(std::string("flash_kda: ") + name + " dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+// ---- fwd's argument: four groups, read straight from Python tuples -------------------------------------------
+// One direct flash_kda.fwd call costs about 18 µs of host time, so the groups are plain tuples read with the
+// CPython API (a pybind class built per call, or pybind's list/array casters, cost more than the 34 loose
+// arguments they would replace; a tuple of four groups costs less). Their layouts, in order:
+//   FwdTensors  (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, initial_is_fp32,
+//                final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64): device addresses as ints (0 for
+//                None), ParamType codes (0 fp32, 1 bf16, 2 fp16) and bools;
+//   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound): ints, then floats;
+//   kda::Plan   the flash_kda.Plan object itself;
+//   FwdLaunch   (workspace, workspace_bytes, status, stream, device): ints (status 0: no error word).
+struct FwdTensors {
+  std::uintptr_t q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens;
+  kda::ParamType A_log_type, dt_bias_type;
+  bool initial_is_fp32, final_is_fp32, cu_seqlens_is_int64;
+};
+struct FwdShape {
+  int64_t batch, seqlen, num_seqs;
+  int heads;
+  float scale, lower_bound;
+};
+struct FwdLaunch {
+  std::uintptr_t workspace;
+  std::size_t workspace_bytes;
+  std::uintptr_t status, stream;
+  int device;
+};
+
+// Reads the items of a tuple of exactly `size` items in order; every read says whether the item has its type
+// (then `ok()` stays true). No conversions: an int is an int, a bool a bool, a float a float or an int.
+class TupleReader {
+ public:
+  TupleReader(py::handle src, Py_ssize_t size)
+      : tuple_(src.ptr()), ok_(PyTuple_Check(tuple_) && PyTuple_GET_SIZE(tuple_) == size) {}
+  bool ok() const { return ok_; }
+  template <typename T>
+  T integer() {
+    PyObject* item = next();
+    if (item == nullptr || !PyLong_Check(item) || PyBool_Check(item)) return fail<T>();
+    if constexpr (std::is_unsigned_v<T>) {  // addresses and sizes: a negative int is refused
+      const unsigned long long value = PyLong_AsUnsignedLongLong(item);
+      if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return fail<T>();
+      return static_cast<T>(value);
+    } else {
+      const long long value = PyLong_AsLongLong(item);
+      if (value == -1 && PyErr_Occurred()) return fail<T>();
+      return static_cast<T>(value);
+    }
   }
-  return static_cast<kda::ParamType>(code);
+  bool boolean() {
+    PyObject* item = next();
+    if (item == nullptr || !PyBool_Check(item)) return fail<bool>();
+    return item == Py_True;
+  }
+  float real() {
+    PyObject* item = next();
+    if (item == nullptr || !(PyFloat_Check(item) || (PyLong_Check(item) && !PyBool_Check(item)))) return fail<float>();
+    const double value = PyFloat_AsDouble(item);
+    if (value == -1.0 && PyErr_Occurred()) return fail<float>();
+    return static_cast<float>(value);
+  }
+  kda::ParamType param_type() {
+    const int code = integer<int>();
+    if (code < 0 || code > 2) return fail<kda::ParamType>();
+    return static_cast<kda::ParamType>(code);
+  }
+
+ private:
+  PyObject* next() { return ok_ ? PyTuple_GET_ITEM(tuple_, index_++) : nullptr; }
+  template <typename T>
+  T fail() {
+    PyErr_Clear();
+    ok_ = false;
+    return T{};
+  }
+  PyObject* tuple_;
+  bool ok_;
+  Py_ssize_t index_ = 0;
+};
+
+}  // namespace
+
+namespace pybind11::detail {
+
+template <>
+struct type_caster<FwdTensors> {
+  PYBIND11_TYPE_CASTER(FwdTensors, const_name("tuple[int, int, int, int, int, int, int, int, int, int, int, bool, "
+                                               "int, bool, int, bool]"));
+  bool load(handle src, bool) {
+    TupleReader r(src, 16);
+    FwdTensors& t = value;
+    t.q = r.integer<std::uintptr_t>();
+    t.k = r.integer<std::uintptr_t>();
+    t.v = r.integer<std::uintptr_t>();
+    t.g = r.integer<std::uintptr_t>();
+    t.beta = r.integer<std::uintptr_t>();
+    t.A_log = r.integer<std::uintptr_t>();
+    t.A_log_type = r.param_type();
+    t.dt_bias = r.integer<std::uintptr_t>();
+    t.dt_bias_type = r.param_type();
+    t.out = r.integer<std::uintptr_t>();
+    t.initial_state = r.integer<std::uintptr_t>();
+    t.initial_is_fp32 = r.boolean();
+    t.final_state = r.integer<std::uintptr_t>();
+    t.final_is_fp32 = r.boolean();
+    t.cu_seqlens = r.integer<std::uintptr_t>();
+    t.cu_seqlens_is_int64 = r.boolean();
+    return r.ok();
+  }
+};
+
+template <>
+struct type_caster<FwdShape> {
+  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float]"));
+  bool load(handle src, bool) {
+    TupleReader r(src, 6);
+    value.batch = r.integer<int64_t>();
+    value.seqlen = r.integer<int64_t>();
+    value.num_seqs = r.integer<int64_t>();
+    value.heads = r.integer<int>();
+    value.scale = r.real();
+    value.lower_bound = r.real();
+    return r.ok();
+  }
+};
+
+template <>
+struct type_caster<FwdLaunch> {
+  PYBIND11_TYPE_CASTER(FwdLaunch, const_name("tuple[int, int, int, int, int]"));
+  bool load(handle src, bool) {
+    TupleReader r(src, 5);
+    value.workspace = r.integer<std::uintptr_t>();
+    value.workspace_bytes = r.integer<std::size_t>();
+    value.status = r.integer<std::uintptr_t>();
+    value.stream = r.integer<std::uintptr_t>();
+    value.device = r.integer<int>();
+    return r.ok();
+  }
+};
+
+}  // namespace pybind11::detail
+
+namespace {
+
+// The kernels' parameters from fwd's four groups (kda::FwdParams keeps its layout: the kernels take it by value).
+kda::FwdParams fwd_params(const FwdTensors& t, const FwdShape& shape, const kda::Plan& plan, const FwdLaunch& launch) {
+  kda::FwdParams p{};
+  p.q = ptr<const void>(t.q);
+  p.k = ptr<const void>(t.k);
+  p.v = ptr<const void>(t.v);
+  p.g = ptr<const void>(t.g);
+  p.beta = ptr<const void>(t.beta);
+  p.A_log = ptr<const void>(t.A_log);
+  p.A_log_type = t.A_log_type;
+  p.dt_bias = ptr<const void>(t.dt_bias);
+  p.dt_bias_type = t.dt_bias_type;
+  p.out = ptr<void>(t.out);
+  p.initial_state = ptr<const void>(t.initial_state);
+  p.initial_is_fp32 = t.initial_is_fp32;
+  p.final_state = ptr<void>(t.final_state);
+  p.final_is_fp32 = t.final_is_fp32;
+  p.cu_seqlens = ptr<const void>(t.cu_seqlens);
+  p.cu_seqlens_is_int64 = t.cu_seqlens_is_int64;
+  p.total_tokens = shape.batch * shape.seqlen;
+  p.seqlen = shape.seqlen;
+  p.num_seqs = shape.num_seqs;
+  p.heads = shape.heads;
+  p.scale = shape.scale;
+  p.lower_bound = shape.lower_bound;
+  p.workspace = ptr<void>(launch.workspace);
+  p.workspace_bytes = launch.workspace_bytes;
+  p.status = ptr<unsigned long long>(launch.status);
+  p.v_split = plan.v_split;
+  p.scan_v_split = plan.scan_v_split;
+  p.segment_chunks = plan.segment_chunks;
+  p.single_pass = plan.single_pass;
+  p.lead_chunks = plan.lead_chunks;
+  p.tail_ctas = plan.tail_ctas;
+  p.longest_first = plan.longest_first;
+  return p;
 }
 
-void fwd(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g, std::uintptr_t beta,
-         std::uintptr_t A_log, int A_log_type, std::uintptr_t dt_bias, int dt_bias_type, std::uintptr_t out,
-         std::uintptr_t initial_state, bool initial_is_fp32, std::uintptr_t final_state, bool final_is_fp32,
-         std::uintptr_t cu_seqlens, bool cu_seqlens_is_int64,
-         int64_t batch, int64_t seqlen, int64_t num_seqs, int heads, float scale, float lower_bound,
-         std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t status, int v_split, int scan_v_split,
-         int segment_chunks, bool single_pass, int lead_chunks, int tail_ctas, bool longest_first,
-         std::uintptr_t stream, int device) {
-  kda::FwdParams p{};
-  p.q = ptr<const void>(q);
-  p.k = ptr<const void>(k);
-  p.v = ptr<const void>(v);
-  p.g = ptr<const void>(g);
-  p.beta = ptr<const void>(beta);
-  p.A_log = ptr<const void>(A_log);
-  p.A_log_type = param_type(A_log_type, "A_log");
-  p.dt_bias = ptr<const void>(dt_bias);
-  p.dt_bias_type = param_type(dt_bias_type, "dt_bias");
-  p.out = ptr<void>(out);
-  p.initial_state = ptr<const void>(initial_state);
-  p.initial_is_fp32 = initial_is_fp32;
-  p.final_state = ptr<void>(final_state);
-  p.final_is_fp32 = final_is_fp32;
-  p.cu_seqlens = ptr<const void>(cu_seqlens);
-  p.cu_seqlens_is_int64 = cu_seqlens_is_int64;
-  p.total_tokens = batch * seqlen;
-  p.seqlen = seqlen;
-  p.num_seqs = num_seqs;
-  p.heads = heads;
-  p.scale = scale;
-  p.lower_bound = lower_bound;
-  p.workspace = ptr<void>(workspace);
-  p.workspace_bytes = workspace_bytes;
-  p.status = ptr<unsigned long long>(status);
-  p.v_split = v_split;
-  p.scan_v_split = scan_v_split;
-  p.segment_chunks = segment_chunks;
-  p.single_pass = single_pass;
-  p.lead_chunks = lead_chunks;
-  p.tail_ctas = tail_ctas;
-  p.longest_first = longest_first;
+void fwd(const FwdTensors& tensors, const FwdShape& shape, const kda::Plan& plan, const FwdLaunch& launch) {
+  const kda::FwdParams p = fwd_params(tensors, shape, plan, launch);
   py::gil_scoped_release release;
-  const CurrentDevice on(device);
-  kda::fwd(p, stream_of(stream));
+  const CurrentDevice on(launch.device);
+  kda::fwd(p, stream_of(launch.stream));
 }
+
+std::string plan_repr(const kda::Plan& p) {
+  const auto flag = [](bool b) { return b ? "True" : "False"; };
+  return "Plan(v_split=" + std::to_string(p.v_split) + ", scan_v_split=" + std::to_string(p.scan_v_split) +
+         ", segment_chunks=" + std::to_string(p.segment_chunks) + ", single_pass=" + flag(p.single_pass) +
+         ", lead_chunks=" + std::to_string(p.lead_chunks) + ", tail_ctas=" + std::to_string(p.tail_ctas) +
+         ", longest_first=" + flag(p.longest_first) + ")";
+}
+
+// The fields in order, as a NamedTuple has them (tuple(plan), plan._asdict()).
+py::tuple plan_fields(const kda::Plan& p) {
+  return py::make_tuple(p.v_split, p.scan_v_split, p.segment_chunks, p.single_pass, p.lead_chunks, p.tail_ctas,
+                        p.longest_first);
+}
+constexpr const char* kPlanFieldNames[] = {"v_split",     "scan_v_split", "segment_chunks", "single_pass",
+                                           "lead_chunks", "tail_ctas",    "longest_first"};
 
 void elementwise(kda::Elementwise op, std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t stream) {
   py::gil_scoped_release release;
@@ -121,35 +275,85 @@ PYBIND11_MODULE(_C, m) {
         "longest-first order, or none for the single pass).");
   m.def("overlap_tail_items", &kda::overlap_tail_items, py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"),
         py::arg("lead_chunks"), "Records the overlap's tail kernel prepares (each with a ready flag); 0 without one.");
-  m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
-        py::arg("A_log_type"), py::arg("dt_bias"), py::arg("dt_bias_type"), py::arg("out"),
-        py::arg("initial_state"), py::arg("initial_is_fp32"), py::arg("final_state"), py::arg("final_is_fp32"),
-        py::arg("cu_seqlens"), py::arg("cu_seqlens_is_int64"), py::arg("batch"),
-        py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("scale"), py::arg("lower_bound"),
-        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("status"), py::arg("v_split"), py::arg("scan_v_split"),
-        py::arg("segment_chunks"), py::arg("single_pass"), py::arg("lead_chunks"), py::arg("tail_ctas"),
-        py::arg("longest_first"), py::arg("stream"), py::arg("device"),
-        "Enqueues the KDA forward on `stream` of CUDA device `device` (device pointers as integers, 0 for None) "
-        "under the plan "
-        "(v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, tail_ctas, longest_first) from "
-        "choose_plan. Validation "
-        "is the caller's job: use flash_kda.fwd.");
+  py::class_<kda::Plan>(m, "Plan",
+                        "How fwd runs a call on the GPU (docs/DESIGN.md, \"The plan\"): read-only, compared and hashed "
+                        "by value. No choice changes a result bit except the time split, which the numerics twin "
+                        "re-enacts.")
+      .def(py::init([](int v_split, int scan_v_split, int segment_chunks, bool single_pass, int lead_chunks,
+                       int tail_ctas, bool longest_first) {
+             return kda::Plan{v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, tail_ctas,
+                              longest_first};
+           }),
+           py::arg("v_split") = 1, py::arg("scan_v_split") = 1, py::arg("segment_chunks") = 0,
+           py::arg("single_pass") = false, py::arg("lead_chunks") = -1, py::arg("tail_ctas") = 0,
+           py::arg("longest_first") = false)
+      .def_readonly("v_split", &kda::Plan::v_split,
+                    "recurrence CTAs per (segment, head), each owning 128 / v_split state rows")
+      .def_readonly("scan_v_split", &kda::Plan::scan_v_split, "scan-pass CTAs per (scanned segment, head, map)")
+      .def_readonly("segment_chunks", &kda::Plan::segment_chunks,
+                    "the time split: chunks (16 tokens) per segment; 0: none")
+      .def_readonly("single_pass", &kda::Plan::single_pass,
+                    "one kernel prepares and runs each (sequence, head); no workspace")
+      .def_readonly("lead_chunks", &kda::Plan::lead_chunks,
+                    "the overlap: chunks prepared before the recurrence starts, the rest beside it; -1: none")
+      .def_readonly("tail_ctas", &kda::Plan::tail_ctas,
+                    "the overlap: CTAs of its tail kernel (one per SM the recurrence leaves free)")
+      .def_readonly("longest_first", &kda::Plan::longest_first,
+                    "varlen: the finishing pass starts the longest sequences first")
+      .def("__repr__", &plan_repr)
+      .def("__eq__", [](const kda::Plan& a, const kda::Plan& b) { return a == b; }, py::is_operator())
+      .def("__ne__", [](const kda::Plan& a, const kda::Plan& b) { return a != b; }, py::is_operator())
+      .def("__hash__", [](const kda::Plan& p) { return py::hash(plan_fields(p)); })
+      .def("__iter__", [](const kda::Plan& p) { return py::iter(plan_fields(p)); })
+      .def("__reduce__", [](py::object self) {
+        return py::make_tuple(self.attr("__class__"), plan_fields(self.cast<const kda::Plan&>()));
+      })
+      .def("_asdict",
+           [](const kda::Plan& p) {
+             py::dict d;
+             const py::tuple fields = plan_fields(p);
+             for (std::size_t i = 0; i < fields.size(); ++i) d[kPlanFieldNames[i]] = fields[i];
+             return d;
+           },
+           "The fields as a dict, in order.")
+      .def(
+          "_replace",
+          [](const kda::Plan& p, std::optional<int> v_split, std::optional<int> scan_v_split,
+             std::optional<int> segment_chunks, std::optional<bool> single_pass, std::optional<int> lead_chunks,
+             std::optional<int> tail_ctas, std::optional<bool> longest_first) {
+            return kda::Plan{v_split.value_or(p.v_split),         scan_v_split.value_or(p.scan_v_split),
+                             segment_chunks.value_or(p.segment_chunks), single_pass.value_or(p.single_pass),
+                             lead_chunks.value_or(p.lead_chunks), tail_ctas.value_or(p.tail_ctas),
+                             longest_first.value_or(p.longest_first)};
+          },
+          py::kw_only(), py::arg("v_split") = py::none(), py::arg("scan_v_split") = py::none(),
+          py::arg("segment_chunks") = py::none(), py::arg("single_pass") = py::none(),
+          py::arg("lead_chunks") = py::none(), py::arg("tail_ctas") = py::none(),
+          py::arg("longest_first") = py::none(), "A copy with the given fields changed.");
+  m.def("fwd", &fwd, py::arg("tensors"), py::arg("shape"), py::arg("plan"), py::arg("launch"),
+        "Enqueues the KDA forward on CUDA device `device`'s stream `stream` under `plan` (a Plan from choose_plan). "
+        "tensors = (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, "
+        "initial_is_fp32, final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64): device addresses (0 for "
+        "None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; shape = (batch, seqlen, num_seqs, heads, scale, "
+        "lower_bound); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
+        "job: use flash_kda.fwd.");
   m.def(
       "choose_plan",
       [](int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
-         int segment_chunks, int single_pass, int lead_chunks) {
-        const kda::Plan plan = kda::choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count,
-                                                segment_chunks, single_pass, lead_chunks);
-        return py::make_tuple(plan.v_split, plan.scan_v_split, plan.segment_chunks, plan.single_pass,
-                              plan.lead_chunks, plan.tail_ctas, plan.longest_first);
+         std::optional<int> v_split, std::optional<int> scan_v_split, std::optional<int> segment_chunks,
+         std::optional<bool> single_pass, std::optional<int> lead_chunks) {
+        const kda::PlanOverrides forced{v_split, scan_v_split, segment_chunks, single_pass, lead_chunks};
+        return kda::choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced);
       },
       py::arg("total_tokens"), py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("varlen"),
-      py::arg("sm_count"), py::arg("segment_chunks") = -1, py::arg("single_pass") = -1, py::arg("lead_chunks") = -2,
-      "The plan fwd uses for these shapes on a GPU with sm_count SMs: (v_split, scan_v_split, segment_chunks, "
-      "single_pass, lead_chunks, tail_ctas, longest_first); segment_chunks >= 0 fixes the time split (0: none) "
-      "and chooses the V splits for it; single_pass 1 forces the single pass, 0 forbids it, -1 leaves it to the "
-      "plan; lead_chunks >= 0 forces the overlap with that lead (fixed-length batches), -1 forbids it, -2 leaves it "
-      "to the plan.");
+      py::arg("sm_count"), py::kw_only(), py::arg("v_split") = py::none(), py::arg("scan_v_split") = py::none(),
+      py::arg("segment_chunks") = py::none(), py::arg("single_pass") = py::none(),
+      py::arg("lead_chunks") = py::none(),
+      "The Plan fwd uses for these shapes on a GPU with sm_count SMs. Each keyword forces one choice (None: the "
+      "plan's own): v_split (1, 2, 4, 8; the scan's too unless scan_v_split is given), scan_v_split, "
+      "segment_chunks (0: no time split; L: segments of L chunks), single_pass (True / False), lead_chunks (L >= "
+      "0: the overlap with that lead on a fixed-length batch; -1: none). A forced V split runs two stages and "
+      "anything forced runs without the overlap, unless single_pass or lead_chunks say otherwise.");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),

@@ -12,47 +12,20 @@
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/kda_plan.h"
 
 namespace kda {
-namespace {
-
-bool valid_split(int v) { return v == 1 || v == 2 || v == 4 || v == 8; }
-
-}  // namespace
 
 void fwd(const FwdParams& p, cudaStream_t stream) {
-  if (!valid_split(p.v_split) || !valid_split(p.scan_v_split)) {
-    throw std::invalid_argument("flash_kda: v_split and scan_v_split must be 1, 2, 4 or 8, got " +
-                                std::to_string(p.v_split) + " and " + std::to_string(p.scan_v_split));
-  }
-  if (p.segment_chunks < 0) {
-    throw std::invalid_argument("flash_kda: segment_chunks must be >= 0, got " + std::to_string(p.segment_chunks));
-  }
+  const std::string plan_problem = plan_error(plan_of(p), p.cu_seqlens != nullptr, p.num_seqs);
+  if (!plan_problem.empty()) throw std::invalid_argument(plan_problem);
   const bool overlap = p.lead_chunks >= 0;
-  if (overlap && (p.v_split != 1 || p.segment_chunks != 0 || p.single_pass || p.cu_seqlens != nullptr ||
-                  p.tail_ctas < 1)) {
-    throw std::invalid_argument("flash_kda: the overlap runs fixed-length batches at v_split 1 without a time split "
-                                "on at least one tail CTA, got v_split " + std::to_string(p.v_split) +
-                                ", segment_chunks " + std::to_string(p.segment_chunks) + ", tail_ctas " +
-                                std::to_string(p.tail_ctas));
-  }
   const int64_t tail_items = overlap_tail_items(p.seqlen, p.num_seqs, p.heads, p.lead_chunks);
-  if (p.longest_first && (p.cu_seqlens == nullptr || p.v_split != 1 || p.segment_chunks != 0 || p.single_pass ||
-                          overlap || p.num_seqs > kLongestFirstMaxSeqs)) {
-    throw std::invalid_argument("flash_kda: longest first runs varlen batches of at most " +
-                                std::to_string(kLongestFirstMaxSeqs) + " sequences at v_split 1 without a time split, "
-                                "got " + std::to_string(p.num_seqs) + " sequences, v_split " +
-                                std::to_string(p.v_split) + ", segment_chunks " + std::to_string(p.segment_chunks));
-  }
   const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks, p.single_pass,
                                         tail_items, p.longest_first);
   if (p.workspace_bytes < needed) {
     throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
                                 " bytes, the call needs " + std::to_string(needed));
-  }
-  if (p.single_pass && (p.v_split != 1 || p.segment_chunks != 0)) {
-    throw std::invalid_argument("flash_kda: the single pass runs v_split 1 without a time split, got v_split " +
-                                std::to_string(p.v_split) + " and segment_chunks " + std::to_string(p.segment_chunks));
   }
   launch_boundary_check(p, stream);
   if (p.num_seqs == 0 || p.heads == 0) return;

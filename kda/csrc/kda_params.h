@@ -67,7 +67,7 @@ constexpr int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return total_tokens / kChunk + num_seqs;
 }
 
-// ---- The time split (docs/KERNEL.md, "Time split") ----------------------------------------------------------
+// ---- The time split (docs/DESIGN.md, "The time split") ------------------------------------------------------
 // With segment_chunks = L > 0, sequence n is cut into G_n = max(1, ceil(chunks_n / L)) segments of L chunks
 // (the last may be shorter). Segment j of sequence n has the segment slot floor(bos_n / (16 L)) + n + j
 // (unique for the same reason as chunk slots): the finishing pass runs one CTA row per segment slot.
@@ -124,7 +124,7 @@ constexpr size_t window_table_bytes(int64_t total_tokens, int64_t num_seqs, int 
   return (raw + 127) / 128 * 128;
 }
 
-// ---- The overlap (docs/KERNEL.md, "The overlap") -----------------------------------------------------------
+// ---- The overlap (docs/DESIGN.md, "The overlap") ------------------------------------------------------------
 // Fixed-length batches whose recurrence leaves SMs free, without a time split: the preparation kernel first
 // prepares the lead, chunks j < lead_chunks of every (sequence, head), on the whole GPU; then the tail kernel,
 // one CTA on each SM the recurrence leaves free, prepares the other chunks in chunk-major order (j, n, h) while the
@@ -141,7 +141,7 @@ constexpr int64_t overlap_tail_item(int64_t j, int64_t n, int h, int lead_chunks
   return ((j - lead_chunks) * num_seqs + n) * heads + h;
 }
 
-// ---- Longest first (docs/KERNEL.md) ---------------------------------------------------------------------------
+// ---- Longest first (docs/DESIGN.md, "Longest first") --------------------------------------------------------
 // A varlen batch whose finishing pass takes more than one wave of 8-warp CTAs runs them longest sequence first
 // (all heads of the longest, then of the next), so that the longest do not start last: the boundary-check kernel
 // ranks the sequences by length (ties by index) into an int32 table of N entries after the records.
@@ -201,7 +201,7 @@ struct FwdParams {
   // The device's error word (or null): the preparation kernel atomically lowers it to the first malformed
   // index of cu_seqlens it finds (flash_kda.last_error reads and resets it). Untouched by well-formed calls.
   unsigned long long* status;
-  // The plan (kda_plan.h), resolved by the caller:
+  // The plan (kda::Plan in kda_plan.h, copied field by field; plan_of reads it back), resolved by the caller:
   int v_split;         // finishing-pass CTAs per (segment, head), each owning 128 / v_split state rows
   int scan_v_split;    // scan-pass CTAs per (scanned segment, head) and map (P or Q)
   int segment_chunks;  // chunks per time segment; 0: no time split

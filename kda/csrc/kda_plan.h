@@ -1,10 +1,12 @@
 // How a forward call is spread over the GPU, chosen on the host from shapes alone (never from the contents of
 // cu_seqlens, which would need a synchronisation): the V split of the recurrence and the time split of long
-// sequences (docs/KERNEL.md, "The plan").
+// sequences (docs/DESIGN.md, "The plan").
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "kda/csrc/kda_params.h"
 
@@ -13,7 +15,7 @@ namespace kda {
 // Recurrence CTAs per (segment, head). Each CTA owns 128 / v_split state rows (16 per warp), so the split
 // changes no bit. One (sequence, head) on one SM is bound by the SM's throughput (8 warps share 4
 // sub-partitions and the tensor cores: 0.88 µs per step with wgmma); split over 2-8 SMs a step is bound by one
-// warp's own chain, 0.57-0.64 µs (docs/KERNEL.md). Splitting past the SM count only queues CTAs, so the split
+// warp's own chain, 0.57-0.64 µs (docs/DESIGN.md). Splitting past the SM count only queues CTAs, so the split
 // is the largest power of two that still fits the whole grid on the GPU at once.
 inline int choose_v_split(int64_t num_seqs, int heads, int sm_count) {
   const int64_t pairs = num_seqs * heads;
@@ -25,22 +27,79 @@ inline int choose_v_split(int64_t num_seqs, int heads, int sm_count) {
 // Slow decay: with lower_bound above this, the state update is S ⊙ 2^Γ + U_hi·Kr + U_lo·Kr, U_hi = bf16(Uᵀ) and
 // U_lo = bf16(Uᵀ − U_hi), instead of S ⊙ 2^Γ + bf16(Uᵀ)·Kr. A slowly decaying state carries every step's rounding
 // of Uᵀ furthest: at lower_bound −0.01 the bf16 rounding of Uᵀ alone lifts the state's error from 3.2e-3 to
-// 3.6e-3 (T131072 H1, against float64); the second product costs 4–12 % of a call (docs/KERNEL.md). The twin
+// 3.6e-3 (T131072 H1, against float64); the second product costs 4–12 % of a call (docs/DESIGN.md). The twin
 // asks the extension for this rule (hi_lo_state_update), so kernel and twin always agree.
 constexpr float kHiLoUpdateLowerBound = -4.0f;
 inline bool hi_lo_state_update(float lower_bound) { return lower_bound > kHiLoUpdateLowerBound; }
 
+// How fwd runs a call on the GPU (docs/DESIGN.md, "The plan"); Python sees it as flash_kda.Plan. No choice
+// changes a result bit except the time split, which the numerics twin re-enacts.
 struct Plan {
-  int v_split;         // finishing-pass CTAs per (segment, head)
-  int scan_v_split;    // scan-pass CTAs per (scanned segment, head, map)
-  int segment_chunks;  // 0: no time split
-  bool single_pass = false;  // one kernel prepares and runs each (sequence, head) (v_split 1, no time split)
-  int lead_chunks = -1;      // the overlap (kda_params.h): chunks prepared before the recurrence starts; -1: none
-  int tail_ctas = 0;         // the overlap: tail-kernel CTAs, one per SM the recurrence leaves free
+  int v_split = 1;             // finishing-pass CTAs per (segment, head), each owning 128 / v_split state rows
+  int scan_v_split = 1;        // scan-pass CTAs per (scanned segment, head, map)
+  int segment_chunks = 0;      // the time split: chunks (16 tokens) per segment; 0: none
+  bool single_pass = false;    // one kernel prepares and runs each (sequence, head) (v_split 1, no time split)
+  int lead_chunks = -1;        // the overlap (kda_params.h): chunks prepared before the recurrence starts; -1: none
+  int tail_ctas = 0;           // the overlap: tail-kernel CTAs, one per SM the recurrence leaves free
   bool longest_first = false;  // varlen: the finishing pass runs the longest sequences first (kda_params.h)
+
+  bool operator==(const Plan& o) const {
+    return v_split == o.v_split && scan_v_split == o.scan_v_split && segment_chunks == o.segment_chunks &&
+           single_pass == o.single_pass && lead_chunks == o.lead_chunks && tail_ctas == o.tail_ctas &&
+           longest_first == o.longest_first;
+  }
+  bool operator!=(const Plan& o) const { return !(*this == o); }
 };
 
-// The cost model of the time split, in microseconds (constants measured on the H200, docs/KERNEL.md).
+// What a caller forces on the plan (flash_kda.testing.force_plan); an empty field leaves that choice to
+// choose_plan. Forcing a V split forces two stages, and forcing anything keeps the overlap out, unless
+// single_pass or lead_chunks say otherwise.
+struct PlanOverrides {
+  std::optional<int> v_split;         // 1, 2, 4 or 8 (the scan's V split too, unless scan_v_split is given)
+  std::optional<int> scan_v_split;    // 1, 2, 4 or 8
+  std::optional<int> segment_chunks;  // 0: no time split; L > 0: segments of L chunks, with V splits for them
+  std::optional<bool> single_pass;    // true: the single pass (v_split 1, no time split); false: two stages
+  std::optional<int> lead_chunks;     // L >= 0: the overlap with a lead of L chunks (fixed-length batches); -1: none
+};
+
+// The plan fields of a call's parameters (the binding fills them from a Plan).
+inline Plan plan_of(const FwdParams& p) {
+  return Plan{p.v_split, p.scan_v_split, p.segment_chunks, p.single_pass, p.lead_chunks, p.tail_ctas,
+              p.longest_first};
+}
+
+// Why `plan` cannot run a call of `num_seqs` sequences (`varlen`: with cu_seqlens), or "" when it can: the V
+// splits are 1, 2, 4 or 8, and the single pass, the overlap and longest first each exclude a V split and the
+// time split (and each other). fwd (kda_fwd.cu) refuses a call whose plan fails this.
+inline std::string plan_error(const Plan& plan, bool varlen, int64_t num_seqs) {
+  const auto valid_split = [](int v) { return v == 1 || v == 2 || v == 4 || v == 8; };
+  if (!valid_split(plan.v_split) || !valid_split(plan.scan_v_split)) {
+    return "flash_kda: v_split and scan_v_split must be 1, 2, 4 or 8, got " + std::to_string(plan.v_split) +
+           " and " + std::to_string(plan.scan_v_split);
+  }
+  if (plan.segment_chunks < 0) {
+    return "flash_kda: segment_chunks must be >= 0, got " + std::to_string(plan.segment_chunks);
+  }
+  const bool overlap = plan.lead_chunks >= 0;
+  if (overlap && (plan.v_split != 1 || plan.segment_chunks != 0 || plan.single_pass || varlen || plan.tail_ctas < 1)) {
+    return "flash_kda: the overlap runs fixed-length batches at v_split 1 without a time split on at least one "
+           "tail CTA, got v_split " + std::to_string(plan.v_split) + ", segment_chunks " +
+           std::to_string(plan.segment_chunks) + ", tail_ctas " + std::to_string(plan.tail_ctas);
+  }
+  if (plan.longest_first && (!varlen || plan.v_split != 1 || plan.segment_chunks != 0 || plan.single_pass ||
+                             overlap || num_seqs > kLongestFirstMaxSeqs)) {
+    return "flash_kda: longest first runs varlen batches of at most " + std::to_string(kLongestFirstMaxSeqs) +
+           " sequences at v_split 1 without a time split, got " + std::to_string(num_seqs) + " sequences, v_split " +
+           std::to_string(plan.v_split) + ", segment_chunks " + std::to_string(plan.segment_chunks);
+  }
+  if (plan.single_pass && (plan.v_split != 1 || plan.segment_chunks != 0)) {
+    return "flash_kda: the single pass runs v_split 1 without a time split, got v_split " +
+           std::to_string(plan.v_split) + " and segment_chunks " + std::to_string(plan.segment_chunks);
+  }
+  return {};
+}
+
+// The cost model of the time split, in microseconds (constants measured on the H200, docs/DESIGN.md).
 struct SplitCostModel {
   static constexpr double kStepAlone = 0.62;     // one 16-token step of one warp with an SM to itself
   static constexpr double kStepPerWarp = 0.075;  // added per further warp on the SM (up to 8)
@@ -70,7 +129,7 @@ inline Plan plan_with_segments(int64_t chunks, int64_t seqs, int heads, int sm_c
   const int64_t segments = (chunks + segment_chunks - 1) / segment_chunks;
   // The scan's maps (M and Q of every scanned segment and head) as CTAs: an 8-warp CTA fits once per SM
   // (registers), a 4-warp CTA three times (shared memory). Where 4-warp CTAs still fit in one wave they beat one
-  // 8-warp CTA per map; past that both need two waves and the larger CTAs win (plan_sweep, docs/KERNEL.md).
+  // 8-warp CTA per map; past that both need two waves and the larger CTAs win (plan_sweep, docs/DESIGN.md).
   const int64_t maps = seqs * (segments - 1) * 2 * heads;
   const int scan_split = maps * 2 <= 3 * static_cast<int64_t>(sm_count)
                              ? std::max(2, choose_v_split(seqs * (segments - 1) * 2, heads, sm_count))
@@ -126,7 +185,7 @@ inline Plan split_short_sequences(Plan plan, int64_t mean_chunks) {
 // The single pass (kda_recurrence.cu) saves the records' round trip through HBM (1,736 of 3,018 bytes per
 // token-head) and needs no workspace, but each CTA prepares its chunks and then runs them, one after the other on
 // its SM: 1.68 µs per chunk against 0.74 for a finishing step (H200, one CTA per SM), so it only pays where the
-// two stages waste the SMs on short sequences. Measured (GPU ms, two stages / single pass, docs/KERNEL.md): varlen
+// two stages waste the SMs on short sequences. Measured (GPU ms, two stages / single pass, docs/DESIGN.md): varlen
 // 64×128 H32 0.349 / 0.318; B32 T512 H32 0.515 / 0.509, B8 T1024 H32 0.257 / 0.255 and varlen 1024×8 H96 0.729 /
 // 0.734 are even, T8192 H96 0.765 / 0.963 and the long rows far worse. So: the many short sequences of
 // split_short_sequences (a mean of at most kShortSequenceChunks chunks over more pairs than the GPU holds at once).
@@ -136,17 +195,18 @@ inline bool single_pass_pays(int64_t total_tokens, int64_t num_seqs, int heads, 
   return choose_v_split(num_seqs, heads, sm_count) == 1 && mean_chunks <= kShortSequenceChunks;
 }
 
-// The plan for a call; `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it.
+// The two-stage plan for a call; a `forced_segment_chunks` fixes the time split (0: none) and picks the V splits
+// for it.
 inline Plan choose_two_stage_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen,
-                                  int sm_count, int forced_segment_chunks) {
+                                  int sm_count, std::optional<int> forced_segment_chunks) {
   const int64_t total_chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t mean_chunks = num_seqs > 0 ? (total_chunks + num_seqs - 1) / num_seqs : total_chunks;
   // The longest sequence and how many sequences are that long.
   const int64_t chunks = varlen ? total_chunks : (seqlen + kChunk - 1) / kChunk;
   const int64_t seqs = varlen ? 1 : num_seqs;
-  if (forced_segment_chunks >= 0) {
-    Plan plan = plan_with_segments(chunks, varlen ? num_seqs : seqs, heads, sm_count, forced_segment_chunks);
-    plan.segment_chunks = forced_segment_chunks;
+  if (forced_segment_chunks.has_value()) {
+    Plan plan = plan_with_segments(chunks, varlen ? num_seqs : seqs, heads, sm_count, *forced_segment_chunks);
+    plan.segment_chunks = *forced_segment_chunks;
     return split_short_sequences(plan, mean_chunks);
   }
   const int64_t likely_chunks = varlen ? std::min(total_chunks, kVarlenSkew * mean_chunks) : chunks;
@@ -164,7 +224,7 @@ inline Plan choose_two_stage_plan(int64_t total_tokens, int64_t seqlen, int64_t 
 // lead is what the tail cannot catch up with: the recurrence takes pairs / kStep records per µs, the tail delivers
 // kTailRate per µs and SM, so the lead is chunks · (1 − supply / demand), plus a margin (a lead too short leaves
 // the recurrence waiting for the tail, pairs / supply µs per chunk missing; one too long costs the lead kernel's
-// ≈ 0.7 µs per chunk). Constants from the H200 (docs/KERNEL.md, "The overlap"): the tail alone prepares 0.83
+// ≈ 0.7 µs per chunk). Constants from the H200 (docs/DESIGN.md, "The overlap"): the tail alone prepares 0.83
 // records per µs and SM (T8192 H96, lead 0: 1.64 ms for 49,152 records on 36 SMs), and a finishing step beside it
 // takes 0.78 µs instead of 0.74 (the two share the memory).
 struct OverlapModel {
@@ -201,28 +261,45 @@ inline bool longest_first_pays(bool varlen, const Plan& plan, int64_t num_seqs, 
          num_seqs <= kLongestFirstMaxSeqs && num_seqs * heads > sm_count;
 }
 
-// The plan for a call. `forced_segment_chunks` >= 0 fixes the time split (0: none) and picks the V splits for it;
-// `forced_single_pass` 1 forces the single pass (no time split, v_split 1), 0 forbids it, -1 leaves it to the plan;
-// `forced_lead_chunks` >= 0 forces the overlap with that lead on a fixed-length batch (v_split 1, no time split),
-// -1 forbids it, -2 leaves it to the plan.
+// The plan for a call, with whatever `forced` fixes.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
-                        int forced_segment_chunks = -1, int forced_single_pass = -1, int forced_lead_chunks = -2) {
+                        const PlanOverrides& forced = {}) {
+  const bool split_forced = forced.v_split.has_value() || forced.scan_v_split.has_value();
+  const bool any_forced = split_forced || forced.segment_chunks.has_value() || forced.single_pass.has_value();
+  // Unless given: a forced V split runs two stages, and anything forced runs without the overlap.
+  std::optional<bool> single = forced.single_pass;
+  if (!single.has_value() && split_forced) single = false;
+  std::optional<int> lead = forced.lead_chunks;
+  if (!lead.has_value() && any_forced) lead = -1;
+
   const int64_t chunks = (seqlen + kChunk - 1) / kChunk;
   const int64_t pairs = num_seqs * heads;
-  if (forced_lead_chunks >= 0 && !varlen) {
+  Plan plan;
+  if (lead.value_or(-1) >= 0 && !varlen) {
     // A lead of the whole sequence leaves nothing to overlap (fwd then runs the ordinary two stages).
-    return Plan{1, 1, 0, false, forced_lead_chunks, overlap_tail_ctas(pairs, sm_count)};
+    plan = Plan{1, 1, 0, false, *lead, overlap_tail_ctas(pairs, sm_count)};
+  } else if (single.value_or(false)) {
+    plan = Plan{1, 1, 0, true};
+  } else {
+    plan = choose_two_stage_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced.segment_chunks);
+    if (!single.has_value() && plan.segment_chunks == 0 && single_pass_pays(total_tokens, num_seqs, heads, sm_count)) {
+      plan = Plan{1, 1, 0, true};
+    } else {
+      const bool overlap = !lead.has_value() && !forced.segment_chunks.has_value() && !varlen &&
+                           plan.segment_chunks == 0 && overlap_pays(chunks, pairs, sm_count);
+      const int lead_chunks = overlap ? overlap_lead_chunks(chunks, pairs, sm_count) : -1;
+      if (overlap && lead_chunks < chunks) {
+        plan = Plan{1, 1, 0, false, lead_chunks, overlap_tail_ctas(pairs, sm_count)};
+      } else {
+        plan.longest_first = longest_first_pays(varlen, plan, num_seqs, heads, sm_count);
+      }
+    }
   }
-  if (forced_single_pass == 1) return Plan{1, 1, 0, true};
-  Plan plan = choose_two_stage_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced_segment_chunks);
-  const bool automatic = forced_single_pass == -1 && plan.segment_chunks == 0;
-  if (automatic && single_pass_pays(total_tokens, num_seqs, heads, sm_count)) return Plan{1, 1, 0, true};
-  if (forced_lead_chunks == -2 && forced_segment_chunks < 0 && forced_single_pass != 1 && !varlen &&
-      plan.segment_chunks == 0 && !plan.single_pass && overlap_pays(chunks, pairs, sm_count)) {
-    const int lead = overlap_lead_chunks(chunks, pairs, sm_count);
-    if (lead < chunks) return Plan{1, 1, 0, false, lead, overlap_tail_ctas(pairs, sm_count)};
+  if (forced.v_split.has_value()) {
+    plan.v_split = plan.scan_v_split = *forced.v_split;
+    plan.longest_first = plan.longest_first && plan.v_split == 1;  // (the order is kept for 8-warp CTAs only)
   }
-  plan.longest_first = longest_first_pays(varlen, plan, num_seqs, heads, sm_count);
+  if (forced.scan_v_split.has_value()) plan.scan_v_split = *forced.scan_v_split;
   return plan;
 }
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flash_kda
-from flash_kda import api
+from flash_kda import launch, planning, validation
 
 B, T, H, D = 1, 5, 2, 128
 N = 1
@@ -61,22 +61,22 @@ def raises(exc: type[Exception], pattern: str, **changes):
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), (9, 1)])
 def test_arch_other_than_sm90_is_refused(monkeypatch, capability):
-    monkeypatch.setattr(api, "_device_capability", lambda device: capability)
+    monkeypatch.setattr(validation, "device_capability", lambda device: capability)
     with pytest.raises(RuntimeError, match=re.escape(f"capability {capability}")) as info:
-        api._check_arch(torch.device("cuda", 1))
+        validation.check_arch(torch.device("cuda", 1))
     assert "cuda:1" in str(info.value) and "sm_90a" in str(info.value)
 
 
 def test_arch_sm90_is_accepted(monkeypatch):
-    monkeypatch.setattr(api, "_device_capability", lambda device: (9, 0))
-    api._check_arch(torch.device("cuda", 0))
+    monkeypatch.setattr(validation, "device_capability", lambda device: (9, 0))
+    validation.check_arch(torch.device("cuda", 0))
 
 
 def test_arch_is_not_checked_for_cpu_tensors(monkeypatch):
     def boom(device):
         raise AssertionError("capability queried for CPU tensors")
 
-    monkeypatch.setattr(api, "_device_capability", boom)
+    monkeypatch.setattr(validation, "device_capability", boom)
     with pytest.raises(TypeError, match="q must be bfloat16"):
         flash_kda.fwd(**{**inputs(), "q": inputs()["q"].float()})
 
@@ -84,7 +84,7 @@ def test_arch_is_not_checked_for_cpu_tensors(monkeypatch):
 @pytest.mark.gpu
 def test_arch_checked_first_on_cuda(monkeypatch):
     """On a CUDA device reporting another capability, fwd refuses before any other check."""
-    monkeypatch.setattr(api, "_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(validation, "device_capability", lambda device: (8, 0))
     x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in inputs().items()}
     x["k"] = x["k"].float()  # a dtype error too: arch must win
     with pytest.raises(RuntimeError, match=r"capability \(8, 0\)"):
@@ -381,15 +381,15 @@ def test_checked_mode_refuses_malformed_device_cu_seqlens(monkeypatch):
     x["cu_seqlens"] = torch.tensor([0, 30, 20, 65], dtype=torch.int64, device="cuda")
     flash_kda.fwd(**x)  # default: no check on the host (the kernel clamps; the result is unspecified)
     torch.cuda.synchronize()
-    monkeypatch.setenv(api.CHECK_CU_SEQLENS_ENV, "1")
+    monkeypatch.setenv(validation.CHECK_CU_SEQLENS_ENV, "1")
     with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing, got cu_seqlens\[1\]=30"):
         flash_kda.fwd(**x)
 
 
 def test_host_cu_seqlens_with_cpu_tensors_needs_no_extra_workspace():
     x = varlen_inputs((2, 0, 3))
-    assert not api._cu_seqlens_on_host(x["q"], x["cu_seqlens"])
-    assert api._host_cu_seqlens_bytes(3) == 32 and api._host_cu_seqlens_bytes(1) == 16
+    assert not validation.cu_seqlens_on_host(x["q"], x["cu_seqlens"])
+    assert planning.host_cu_seqlens_bytes(3) == 32 and planning.host_cu_seqlens_bytes(1) == 16
 
 
 # --- the execution plan (host-side rule; needs the extension, not a GPU) --------------------------------
@@ -431,11 +431,11 @@ def test_force_plan_restores():
     from flash_kda import testing
 
     with testing.force_plan(v_split=4, segment_chunks=3):
-        assert (api._forced_v_split, api._forced_segment_chunks) == (4, 3)
+        assert planning.forced_plan() == planning.PlanOverrides(v_split=4, segment_chunks=3)
         with testing.force_plan(v_split=8, scan_v_split=2):
-            assert (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split) == (8, None, 2)
-        assert (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split) == (4, 3, 0)
-    assert (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split) == (0, None, 0)
+            assert planning.forced_plan() == planning.PlanOverrides(v_split=8, scan_v_split=2)
+        assert planning.forced_plan() == planning.PlanOverrides(v_split=4, segment_chunks=3)
+    assert planning.forced_plan() == planning.PlanOverrides()
 
 
 # (total tokens, T, N, H, varlen): the grid cases of bench_fwd
@@ -500,10 +500,10 @@ def test_force_plan_overlap():
     from flash_kda import _ext, testing
 
     C = _ext.load()
-    assert api.Plan(*C.choose_plan(16384, 512, 32, 32, False, 132, -1, -1, 3)) == api.Plan(1, 1, 0, False, 3, 1)
-    assert api.Plan(*C.choose_plan(8192, 8192, 1, 4, False, 132, -1, -1, 0)) == api.Plan(1, 1, 0, False, 0, 128)
-    assert api.Plan(*C.choose_plan(8192, 8192, 6, 96, True, 132, -1, -1, 3)).lead_chunks == -1
-    assert api.Plan(*C.choose_plan(8192, 8192, 1, 96, False, 132, -1, -1, -1)).lead_chunks == -1
+    assert C.choose_plan(16384, 512, 32, 32, False, 132, lead_chunks=3) == flash_kda.Plan(1, 1, 0, False, 3, 1)
+    assert C.choose_plan(8192, 8192, 1, 4, False, 132, lead_chunks=0) == flash_kda.Plan(1, 1, 0, False, 0, 128)
+    assert C.choose_plan(8192, 8192, 6, 96, True, 132, lead_chunks=3).lead_chunks == -1
+    assert C.choose_plan(8192, 8192, 1, 96, False, 132, lead_chunks=-1).lead_chunks == -1
     for kwargs in ({"v_split": 2}, {"segment_chunks": 4}, {"scan_v_split": 2}, {"single_pass": True}):
         with pytest.raises(ValueError, match="lead_chunks >= 0 runs v_split 1"):
             with testing.force_plan(lead_chunks=2, **kwargs):
@@ -567,7 +567,8 @@ def test_plan_runs_many_short_sequences_in_one_pass(shape, expected):
     total, T, N, H, varlen = shape
     plan = testing.default_plan(total, T, N, H, varlen, 132)
     v = testing.default_v_split(N, H, 132)
-    assert plan._replace(longest_first=False) == (api.Plan(1, 1, 0, True) if expected else api.Plan(v, v, 0, False))
+    expected_plan = flash_kda.Plan(1, 1, 0, True) if expected else flash_kda.Plan(v, v, 0, False)
+    assert plan._replace(longest_first=False) == expected_plan
 
 
 def test_two_stage_plan_splits_v_for_many_short_sequences():
@@ -576,9 +577,9 @@ def test_two_stage_plan_splits_v_for_many_short_sequences():
     from flash_kda import _ext
 
     C = _ext.load()
-    assert api.Plan(*C.choose_plan(8192, 8192, 64, 32, True, 132, -1, 0)) == api.Plan(2, 2, 0, False)
-    assert api.Plan(*C.choose_plan(8192, 8192, 1, 96, False, 132, -1, 1)) == api.Plan(1, 1, 0, True)
-    assert api.Plan(*C.choose_plan(131072, 131072, 1, 1, False, 132, -1, 1)) == api.Plan(1, 1, 0, True)
+    assert C.choose_plan(8192, 8192, 64, 32, True, 132, single_pass=False) == flash_kda.Plan(2, 2, 0, False)
+    assert C.choose_plan(8192, 8192, 1, 96, False, 132, single_pass=True) == flash_kda.Plan(1, 1, 0, True)
+    assert C.choose_plan(131072, 131072, 1, 1, False, 132, single_pass=True) == flash_kda.Plan(1, 1, 0, True)
 
 
 def test_force_plan_refuses_a_single_pass_with_splits():
@@ -620,9 +621,9 @@ def test_forced_time_split_picks_its_own_v_splits():
     """Forcing no time split on a shape the plan would split gives the V split of the unsplit shape."""
     from flash_kda import _ext, testing
 
-    plan = api.Plan(*_ext.load().choose_plan(131072, 131072, 1, 1, False, 132, 0))
-    assert plan == api.Plan(testing.default_v_split(1, 1, 132), testing.default_v_split(1, 1, 132), 0, False)
-    forced = api.Plan(*_ext.load().choose_plan(8192, 8192, 1, 96, False, 132, 4))
+    plan = _ext.load().choose_plan(131072, 131072, 1, 1, False, 132, segment_chunks=0)
+    assert plan == flash_kda.Plan(testing.default_v_split(1, 1, 132), testing.default_v_split(1, 1, 132), 0, False)
+    forced = _ext.load().choose_plan(8192, 8192, 1, 96, False, 132, segment_chunks=4)
     assert forced.segment_chunks == 4
 
 
@@ -691,7 +692,7 @@ def _stub_cpu_forward(monkeypatch):
         n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         return torch.zeros_like(v), torch.zeros(n, q.shape[2], v.shape[-1], q.shape[-1])
 
-    monkeypatch.setattr(api, "_cpu_forward", _wrap_cpu(fake))
+    monkeypatch.setattr(launch, "run_cpu", _wrap_cpu(fake))
 
 
 def _wrap_cpu(fake):
@@ -725,9 +726,9 @@ def test_well_formed_accepts_what_validate_accepts(variant):
         x["cu_seqlens"] = torch.tensor([0, 3, T], dtype=torch.int32)
         x["initial_state"] = torch.zeros(2, H, D, D)
         x["final_state"] = torch.empty(2, H, D, D)
-    dims = api._well_formed(*_args(x))
+    dims = validation.well_formed(*_args(x))
     assert dims is not None
-    assert dims == api._validate(*_args(x), concrete=True)
+    assert dims == validation.validate(*_args(x), concrete=True)
 
 
 @pytest.mark.parametrize(
@@ -751,4 +752,4 @@ def test_well_formed_accepts_what_validate_accepts(variant):
 def test_well_formed_leaves_the_unusual_to_the_ordered_checks(changes):
     """Anything unusual or wrong is not accepted by the tight pass (so _validate names it, or accepts an int)."""
     x = {**inputs(), **changes}
-    assert api._well_formed(*_args(x)) is None
+    assert validation.well_formed(*_args(x)) is None

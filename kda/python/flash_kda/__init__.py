@@ -3,7 +3,9 @@
 ``flash_kda.fwd`` is a drop-in for the call that inference stacks (fla's ``chunk_kda`` backend) already make;
 CPU tensors take a portable fp32 path. Submodules: ``reference`` (float64 ground truth), ``numerics`` (the
 kernel's numerics twin and the CPU path), ``compare`` (error metrics), ``ops`` (``torch.ops.flash_kda.fwd``,
-what torch.compile traces), ``testing`` (test-only plan forcing), ``_ext`` (the compiled helpers).
+what torch.compile traces), ``testing`` (test-only plan forcing), ``_ext`` (the compiled helpers); ``api``,
+``validation``, ``planning`` and ``launch`` hold the forward call's parts. ``Plan`` is the extension's type,
+loaded on first use, so ``import flash_kda`` works without the extension.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from flash_kda._ext import build_info, device_info
-from flash_kda.api import Plan, check_cu_seqlens, fwd, last_error, plan, reserve_workspace, workspace_bytes
+from flash_kda.api import check_cu_seqlens, fwd, last_error, plan, reserve_workspace, workspace_bytes
 
 __version__ = "0.1.0"
 __all__ = [
@@ -19,11 +21,16 @@ __all__ = [
     "build_info", "__version__",
 ]
 
-_SUBMODULES = ("reference", "numerics", "compare", "api", "ops", "testing", "_ext")
+_SUBMODULES = ("reference", "numerics", "compare", "api", "validation", "planning", "launch", "ops", "testing",
+               "_ext")
 
 
 def __getattr__(name: str):
-    # Submodules load on first access: `import flash_kda` stays cheap and works without the extension.
+    # Submodules and Plan load on first access: `import flash_kda` stays cheap and works without the extension.
     if name in _SUBMODULES:
         return importlib.import_module(f"flash_kda.{name}")
+    if name == "Plan":
+        from flash_kda import planning  # noqa: PLC0415
+
+        return planning.Plan
     raise AttributeError(f"module 'flash_kda' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The chunked KDA forward with pluggable arithmetic: the CUDA kernel's numerics twin and the CPU path.
 
-Both run the same chunk-16 algorithm as the kernel (SPEC §2, kda/csrc/kda_prepare.cu and
+Both run the same chunk-16 algorithm as the kernel (docs/SPEC.md §2, kda/csrc/kda_prepare.cu and
 kda_recurrence.cu), step for step and in the same order. What differs is the arithmetic:
 
 * ``KernelArithmetic`` (the twin, CUDA only) re-enacts the kernel exactly: the same approximate instructions
@@ -22,6 +22,8 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
+
+from flash_kda import planning
 
 CHUNK = 16
 HEAD_DIM = 128
@@ -243,27 +245,16 @@ def _compose(state: torch.Tensor, m: torch.Tensor, q: torch.Tensor, ar: Arithmet
     return ar.matmul(s_lo, m_hi, d)
 
 
-def chunked_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float,
-    initial_state: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor],
-    ar: Arithmetic,
-    segment_chunks: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+                    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], ar: Arithmetic,
+                    segment_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the chunked forward with arithmetic ``ar``; returns (out bf16 [B,T,H,V], final fp32 [N,H,V,K]).
 
-    ``segment_chunks`` = L > 0 re-enacts the CUDA path's time split (docs/KERNEL.md): every sequence is cut
-    into segments of L chunks; each segment but the last gets its affine map S_end = S_start·M + Q (M from
-    the identity with v = 0, Q from zero), the maps are composed in order into every segment's start state,
-    and every segment then runs from that state. Without it each sequence runs in one piece."""
+    ``segment_chunks`` = L > 0 re-enacts the CUDA path's time split (docs/DESIGN.md, "The time split"): every
+    sequence is cut into segments of L chunks; each segment but the last gets its affine map S_end = S_start·M + Q
+    (M from the identity with v = 0, Q from zero), the maps are composed in order into every segment's start
+    state, and every segment then runs from that state. Without it each sequence runs in one piece."""
     batch, seqlen, heads, _ = q.shape
     device = q.device
     layout = chunk_layout(cu_seqlens, batch, seqlen, device)
@@ -359,9 +350,7 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
     if q.device.type != "cuda":
         raise RuntimeError(f"twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
     if segment_chunks is None:
-        from flash_kda import api  # noqa: PLC0415 -- api imports the extension; this module stays light
-
-        segment_chunks = api.plan(q, cu_seqlens).segment_chunks
+        segment_chunks = planning.plan(q, cu_seqlens).segment_chunks
     return chunked_forward(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, kernel_arithmetic(),
         segment_chunks,

@@ -17,39 +17,27 @@ from typing import Optional
 
 import torch
 
-from flash_kda import api
+from flash_kda import launch, validation
 
 __all__ = ["fwd_op"]
 
 
 @torch.library.custom_op("flash_kda::fwd", mutates_args=("out", "final_state", "workspace"))
-def fwd_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float,
-    initial_state: Optional[torch.Tensor],
-    final_state: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor],
-    workspace: Optional[torch.Tensor],
-) -> None:
+def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+           out: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+           initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
+           cu_seqlens: Optional[torch.Tensor], workspace: Optional[torch.Tensor]) -> None:
     """The KDA forward of ``flash_kda.fwd``: the same arguments, all 14 given (pass None for absent ones).
 
     No argument has a default: the dispatcher drops trailing arguments equal to their defaults, and the
     version bump of a dropped mutated argument (final_state, workspace) then fails inside PyTorch's custom-op
     machinery (seen with torch 2.11 on the H200)."""
-    api._fwd_eager(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                   cu_seqlens, workspace)
+    launch.run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+               workspace)
 
 
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
               workspace) -> None:
-    api._validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                  workspace, concrete=False)
+    validation.validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                        cu_seqlens, workspace, concrete=False)

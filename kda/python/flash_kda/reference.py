@@ -1,9 +1,9 @@
-"""Float64 ground truth for the KDA forward (SPEC §1), on the device of the inputs (CPU or CUDA).
+"""Float64 ground truth for the KDA forward (docs/SPEC.md §1), on the device of the inputs (CPU or CUDA).
 
 Two forms of the same function:
-- ``reference_loop``: the token recurrence of SPEC §1, literally, one token at a time.
-- ``reference_chunked``: the chunked algebra of SPEC §2 (exact, not an approximation), sequential only over
-  chunks, so it is fast enough for 1M-token sequences on a GPU; it agrees with the loop to ~1e-12.
+- ``reference_loop``: the token recurrence of docs/SPEC.md §1, literally, one token at a time.
+- ``reference_chunked``: the chunked algebra of docs/SPEC.md §2 (exact, not an approximation), sequential only
+  over chunks, so it is fast enough for 1M-token sequences on a GPU; it agrees with the loop to ~1e-12.
 
 Both are vectorised over heads and sequences: sequences are laid side by side and padded to a common length
 with "inert" tokens (k̂ = q̂ = v = 0, β = 0, decay 1), which leave the state unchanged and whose outputs are
@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from flash_kda.validation import check_cu_seqlens
 
 __all__ = ["reference_loop", "reference_chunked", "l2_normalize", "gate", "NORM_EPS"]
 
@@ -99,8 +101,6 @@ def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state
     else:
         if B != 1:
             raise ValueError(f"cu_seqlens requires B == 1, got {q.shape=}")
-        from flash_kda.api import check_cu_seqlens  # noqa: PLC0415
-
         check_cu_seqlens(cu_seqlens, T)  # the reference may synchronise; malformed input is a test bug
         cu = cu_seqlens.tolist()
         starts, lengths = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
@@ -119,20 +119,11 @@ def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state
     )  # fmt: skip
 
 
-def reference_loop(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KDA recurrence of SPEC §1 in float64, one token at a time (all sequences and heads at once).
+def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+                   initial_state: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA recurrence of docs/SPEC.md §1 in float64, one token at a time (all sequences and heads at once).
 
     For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t).
 
@@ -169,23 +160,11 @@ def reference_loop(
     return out.reshape(B, T, H, V), S
 
 
-def reference_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    *,
-    chunk: int = 64,
-    base2: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same function as ``reference_loop``, by the chunked algebra of SPEC §2 in float64.
+def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+                      initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
+                      chunk: int = 64, base2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same function as ``reference_loop``, by the chunked algebra of docs/SPEC.md §2 in float64.
 
     Per chunk of C tokens with G = cumsum of the gates inside the chunk and Γ its last row:
     Kd = k̂⊙e^G, Qd = scale·q̂⊙e^G, Ki = k̂⊙e^-G, Kr = Ki⊙e^Γ, A = β·strict_lower(Kd Kiᵀ),

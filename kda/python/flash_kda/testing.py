@@ -2,7 +2,7 @@
 
 The V split never changes a result bit (each recurrence CTA owns whole state rows, and rows evolve
 independently); the time split does change the rounding path, and the numerics twin re-enacts whichever one
-``fwd`` runs (``numerics.twin_forward`` asks ``api.plan``, which sees the forced values). So the correctness
+``fwd`` runs (``numerics.twin_forward`` asks ``planning.plan``, which sees the forced values). So the correctness
 matrix can run every plan on every shape:
 
     with flash_kda.testing.force_plan(v_split=8, segment_chunks=4):
@@ -15,7 +15,8 @@ overlap (the preparation's tail on the SMs the recurrence leaves free, while it 
 ``force_plan(lead_chunks=L)`` runs it on any fixed-length batch with a lead of L chunks, ``lead_chunks=-1`` keeps
 it out.
 
-Not thread-safe and not meant for production code: it sets module-level overrides of ``flash_kda.api``.
+Not meant for production code. The forced plan holds in the thread (or asyncio context) that entered the block,
+through a context variable of ``flash_kda.planning``; it is part of every plan-cache key.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from flash_kda import api
+from flash_kda import _ext, planning
 
 __all__ = ["force_plan", "V_SPLITS", "default_v_split", "default_plan"]
 
-V_SPLITS = api._V_SPLITS
+V_SPLITS = planning.V_SPLITS
 
 
 @contextlib.contextmanager
@@ -62,29 +63,20 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
                                                           or single_pass):
         raise ValueError("lead_chunks >= 0 runs v_split 1 without a time split or the single pass, got "
                          f"{v_split=}, {scan_v_split=}, {segment_chunks=}, {single_pass=}")
-    saved = (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split, api._forced_single_pass,
-             api._forced_lead_chunks)
-    api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split = v_split, segment_chunks, scan_v_split
-    api._forced_single_pass, api._forced_lead_chunks = single_pass, lead_chunks
-    try:
+    overrides = planning.PlanOverrides(v_split=v_split or None, scan_v_split=scan_v_split or None,
+                                       segment_chunks=segment_chunks, single_pass=single_pass, lead_chunks=lead_chunks)
+    with planning.forced(overrides):
         yield
-    finally:
-        (api._forced_v_split, api._forced_segment_chunks, api._forced_scan_v_split, api._forced_single_pass,
-         api._forced_lead_chunks) = saved
 
 
 def default_v_split(num_seqs: int, heads: int, sm_count: int) -> int:
     """The V split that N sequences of H heads get on a GPU with ``sm_count`` SMs from their count alone (no time
     split). ``default_plan`` has the whole choice: batches of many short sequences (mean at most 8 chunks) that
     get 1 here get 2 there (kda_plan.h)."""
-    from flash_kda import _ext  # noqa: PLC0415 -- needs the extension, not torch's CUDA
-
     return int(_ext.load().choose_v_split(num_seqs, heads, sm_count))
 
 
 def default_plan(total_tokens: int, seqlen: int, num_seqs: int, heads: int, varlen: bool,
-                 sm_count: int) -> api.Plan:
+                 sm_count: int) -> planning.Plan:
     """The plan ``fwd`` chooses for these shapes on a GPU with ``sm_count`` SMs (nothing forced)."""
-    from flash_kda import _ext  # noqa: PLC0415
-
-    return api.Plan(*_ext.load().choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count))
+    return _ext.load().choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count)

@@ -1,0 +1,203 @@
+"""Running a call: validation, then the CPU path or the CUDA kernel with its workspace and error word.
+
+``run`` is ``flash_kda.fwd``'s body outside tracing (``torch.ops.flash_kda.fwd`` runs it too). On CUDA it takes
+the plan (``planning``), a workspace (the caller's, or one cached per device and stream) and, for a CUDA
+``cu_seqlens``, the device's error word (``last_error``), and enqueues the kernels through the extension.
+"""
+
+from __future__ import annotations
+
+import numbers
+import threading
+
+import torch
+
+from flash_kda import _ext
+from flash_kda.planning import host_cu_seqlens_bytes, plan_for, sm_count_of
+from flash_kda.validation import (
+    HEAD_DIM,
+    PARAM_TYPES,
+    check_cu_seqlens,
+    checked_cu_seqlens,
+    cu_seqlens_on_host,
+    device_index,
+    validate,
+)
+
+__all__ = ["run", "run_cpu", "last_error", "reserve_workspace"]
+
+
+def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+        workspace) -> None:
+    """``fwd`` outside tracing (the same arguments, all given): validate, then run the CUDA kernel or the CPU path."""
+    B, T, H, N = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                          cu_seqlens, workspace, concrete=True)
+    K = HEAD_DIM
+    cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
+    if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
+        check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
+
+    # --- nothing to compute: no launch with an empty grid, but final_state is still defined.
+    if B * T == 0 or H == 0:
+        if final_state is not None and final_state is not initial_state:
+            if initial_state is None:
+                final_state.zero_()
+            else:
+                final_state.copy_(initial_state)
+        return None
+
+    if q.device.type == "cpu":
+        run_cpu(q, k, v, g, beta, float(scale), out, A_log, dt_bias.view(H, K), float(lower_bound),
+                initial_state, final_state, cu_seqlens)  # fmt: skip
+        return None
+
+    C = _ext.load()
+    index = q.device.index  # a CUDA tensor's device always has an index
+    stream = _ext.current_stream(index)
+    plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index))
+    nbytes = kernel_bytes + (host_cu_seqlens_bytes(N) if cu_on_host else 0)
+    if workspace is None:
+        workspace = _cached_workspace(index, stream, nbytes)
+    elif workspace.numel() < nbytes:
+        raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
+    if cu_on_host:
+        # Behind the kernel's records: an asynchronous copy (a pageable host buffer is staged at once, so the
+        # caller may reuse it on return), no allocation, no synchronisation.
+        device_cu = workspace[kernel_bytes : kernel_bytes + 8 * (N + 1)].view(torch.int64)
+        device_cu.copy_(cu_seqlens.to(torch.int64), non_blocking=True)
+        cu_seqlens = device_cu
+
+    # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens (a host
+    # cu_seqlens was validated above, so its copy needs no device check).
+    status = _status_word(index) if cu_seqlens is not None and not cu_on_host else None
+    # The extension makes q's device current for the launches itself (a torch.cuda.device context costs more
+    # host time than the launches). Its argument is four groups (kda/csrc/binding.cpp): tensors with their dtype
+    # codes, shape with the scalars, the plan, and where to launch. (Pointers read inline, 0 for None: a helper
+    # function's call per tensor is host time too.)
+    C.fwd(
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
+         PARAM_TYPES[A_log.dtype], dt_bias.data_ptr(), PARAM_TYPES[dt_bias.dtype], out.data_ptr(),
+         0 if initial_state is None else initial_state.data_ptr(),
+         initial_state is not None and initial_state.dtype == torch.float32,
+         0 if final_state is None else final_state.data_ptr(),
+         final_state is not None and final_state.dtype == torch.float32,
+         0 if cu_seqlens is None else cu_seqlens.data_ptr(),
+         cu_seqlens is not None and cu_seqlens.dtype == torch.int64),
+        (B, T, N, H, float(scale), float(lower_bound)),
+        plan,
+        (workspace.data_ptr(), workspace.numel(), 0 if status is None else status.data_ptr(), stream, index),
+    )  # fmt: skip
+    return None
+
+
+
+def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
+    """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state``."""
+    from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
+
+    if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
+        cu_seqlens = cu_seqlens.to(torch.int64)
+    o, state = numerics.cpu_forward(
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=initial_state, cu_seqlens=cu_seqlens
+    )
+    # The results are fresh tensors, so final_state may alias initial_state.
+    out.copy_(o)
+    if final_state is not None:
+        final_state.copy_(state)
+
+
+
+_STATUS_CLEAR = 1 << 62  # the error word when no malformed boundary was seen (the kernel lowers it atomically)
+_status_words: dict[int, torch.Tensor] = {}
+
+
+def _status_word(index: int) -> torch.Tensor:
+    """Device ``index``'s error word (one int64, allocated once per device, never during graph capture)."""
+    word = _status_words.get(index)
+    if word is not None:
+        return word
+    with _workspaces_lock:
+        word = _status_words.get(index)
+        if word is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "flash_kda.fwd needs its per-device error word during CUDA graph capture but it does not exist "
+                    "yet; call flash_kda.fwd once or flash_kda.reserve_workspace(...) before capture"
+                )
+            word = torch.full((1,), _STATUS_CLEAR, dtype=torch.int64, device=torch.device("cuda", index))
+            _status_words[index] = word
+        return word
+
+
+def last_error(device: torch.device | str | int | None = None) -> str | None:
+    """The first malformed ``cu_seqlens`` a CUDA call on ``device`` met since the last query, or None.
+
+    ``fwd`` never reads a CUDA ``cu_seqlens`` on the host (that would synchronise); a small kernel checks its
+    boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and records the first bad
+    index in a per-device word. This query reads that word (a synchronisation), resets it and returns a message
+    naming ``cu_seqlens`` and the index; the outputs of the offending call are unspecified.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"last_error needs a CUDA device, got {device=}")
+    word = _status_words.get(device_index(device))
+    if word is None:
+        return None
+    first_bad = int(word.item())
+    if first_bad >= _STATUS_CLEAR:
+        return None
+    word.fill_(_STATUS_CLEAR)
+    return (
+        f"flash_kda: a call on cuda:{device_index(device)} got a malformed cu_seqlens: cu_seqlens[{first_bad}] is "
+        "its first bad boundary (cu_seqlens must start at 0, never decrease and end at the number of tokens); "
+        "the outputs of that call are unspecified"
+    )
+
+
+
+# One cached workspace per (device index, stream): a buffer shared across streams could be overwritten by a
+# kernel on another stream while still in use. The caching allocator ties each buffer to the stream it was
+# allocated on, so replacing it by a larger one is stream-ordered and safe.
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_workspaces_lock = threading.Lock()
+_WORKSPACE_GRANULE = 2 << 20  # round growth up to 2 MiB so slowly growing inputs do not reallocate every call
+
+
+def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
+    """The cached workspace of device ``index``'s stream ``stream`` (its current one), grown to ``nbytes``."""
+    key = (index, stream)
+    buf = _workspaces.get(key)  # the common case, without the lock: a dict read is atomic
+    if buf is not None and buf.numel() >= nbytes:
+        return buf
+    with _workspaces_lock:
+        buf = _workspaces.get(key)
+        if buf is not None and buf.numel() >= nbytes:
+            return buf
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"flash_kda.fwd needs {nbytes} workspace bytes during CUDA graph capture but the cached workspace "
+                f"holds {0 if buf is None else buf.numel()}; pass workspace= or call "
+                "flash_kda.reserve_workspace(flash_kda.workspace_bytes(q, cu_seqlens), q.device) before capture"
+            )
+        size = -(-nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
+        _workspaces.pop(key, None)  # free the old buffer before allocating its replacement
+        buf = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+        _workspaces[key] = buf
+        return buf
+
+
+def reserve_workspace(nbytes: int, device: torch.device | str | int | None = None) -> torch.Tensor:
+    """Grows the cached workspace of ``device``'s current stream to at least ``nbytes`` and returns it.
+
+    Call before CUDA graph capture with the largest ``workspace_bytes(q, cu_seqlens)`` the graph will see, so
+    that ``fwd`` allocates nothing while capturing (or pass ``workspace=`` to ``fwd`` instead).
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes=}")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if isinstance(device, torch.device) and device.type != "cuda":
+        raise ValueError(f"reserve_workspace needs a CUDA device, got {device=}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _status_word(device.index)  # the error word too, so that capture allocates nothing
+    return _cached_workspace(device.index, _ext.current_stream(device.index), int(nbytes))

@@ -1,0 +1,133 @@
+"""The plan: how ``fwd`` spreads a call over the GPU (docs/DESIGN.md, "The plan"), and the workspace it needs.
+
+The plan is chosen by the extension (``kda::choose_plan`` in kda/csrc/kda_plan.h) from shapes and the SM count
+alone, never from tensor contents, so asking for it never synchronises. ``Plan`` is the extension's type
+(``kda::Plan``); it loads with the extension, on first use. Plans and their workspace bytes are cached per shape
+and per set of forced choices (``forced``, which ``flash_kda.testing.force_plan`` sets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
+
+import torch
+
+from flash_kda import _ext
+from flash_kda.validation import cu_seqlens_on_host
+
+if TYPE_CHECKING:
+    from flash_kda._C import Plan
+
+__all__ = ["plan", "plan_for", "workspace_bytes", "host_cu_seqlens_bytes", "sm_count_of", "forced", "forced_plan",
+           "PlanOverrides", "Plan", "V_SPLITS"]
+
+V_SPLITS = (1, 2, 4, 8)
+DEFAULT_SM_COUNT = 132  # an H200/H100 SXM, for plans asked about CPU tensors
+
+
+def __getattr__(name: str):
+    if name == "Plan":  # the extension's type, imported on first use (the module imports without it)
+        return _ext.load().Plan
+    raise AttributeError(f"module 'flash_kda.planning' has no attribute {name!r}")
+
+
+class PlanOverrides(NamedTuple):
+    """Choices forced on the plan (``kda::PlanOverrides``); None leaves a choice to the plan. Unless given, a forced
+    V split runs two stages and anything forced runs without the overlap."""
+
+    v_split: Optional[int] = None  # 1, 2, 4 or 8 (the scan's V split too, unless scan_v_split is given)
+    scan_v_split: Optional[int] = None  # 1, 2, 4 or 8
+    segment_chunks: Optional[int] = None  # 0: no time split; L > 0: segments of L chunks
+    single_pass: Optional[bool] = None  # True: the single pass; False: two stages
+    lead_chunks: Optional[int] = None  # L >= 0: the overlap with a lead of L chunks; -1: no overlap
+
+
+# The choices forced in this thread / context (None: none); part of every plan-cache key.
+_forced: contextvars.ContextVar[Optional[PlanOverrides]] = contextvars.ContextVar("flash_kda_forced_plan",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def forced(overrides: PlanOverrides) -> Iterator[None]:
+    """Within the block (in this thread or context), plans are chosen with ``overrides`` instead of any outer ones."""
+    token = _forced.set(overrides if overrides != PlanOverrides() else None)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced_plan() -> PlanOverrides:
+    """The choices forced here now (all None outside ``forced``)."""
+    return _forced.get() or PlanOverrides()
+
+
+def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
+    """The plan ``fwd`` uses for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``) on q's device.
+
+    Host-only: shapes and the device's SM count, never tensor contents (so never a synchronisation)."""
+    return _plan_and_bytes(q, cu_seqlens)[0]
+
+
+def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
+    """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``).
+
+    Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
+    a time split stores each segment's map, the overlap a ready flag per tail record, the single pass needs no
+    records at all), which depends on the device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for
+    its device copy.
+    """
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
+    extra = host_cu_seqlens_bytes(N) if cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens) else 0
+    return _plan_and_bytes(q, cu_seqlens)[1] + extra
+
+
+def host_cu_seqlens_bytes(num_seqs: int) -> int:
+    """Workspace bytes for the device copy of a CPU ``cu_seqlens`` (int64 boundaries, 16-byte granules)."""
+    return -(-8 * (num_seqs + 1) // 16) * 16
+
+
+def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[Plan, int]:
+    """``plan(q, cu_seqlens)`` and the kernels' workspace bytes under it."""
+    B, T, H, _ = q.shape
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    sm_count = _sm_count(q.device) if q.device.type == "cuda" else DEFAULT_SM_COUNT
+    return plan_for(B, T, H, N, cu_seqlens is not None, sm_count)
+
+
+def plan_for(B: int, T: int, H: int, N: int, varlen: bool, sm_count: int) -> tuple[Plan, int]:
+    """The plan and the kernels' workspace bytes for these shapes, cached (fwd has the shapes from its validation:
+    no tensor reads again, and a dict hit instead of extension calls on every call)."""
+    overrides = _forced.get()
+    key = (B, T, H, N, varlen, sm_count, overrides)
+    cached = _plans.get(key)
+    if cached is not None:
+        return cached
+    C = _ext.load()
+    run = C.choose_plan(B * T, T, N, H, varlen, sm_count, **(overrides._asdict() if overrides else {}))
+    tail_items = C.overlap_tail_items(T, N, H, run.lead_chunks)
+    result = run, int(C.workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass, tail_items,
+                                        run.longest_first))
+    if len(_plans) >= _PLAN_CACHE_SIZE:
+        _plans.clear()
+    _plans[key] = result
+    return result
+
+
+_plans: dict[tuple, tuple[Plan, int]] = {}
+_PLAN_CACHE_SIZE = 4096  # distinct shapes remembered (cleared when full)
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    return sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def sm_count_of(index: int) -> int:
+    """The SM count of CUDA device ``index``, read once per device."""
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count

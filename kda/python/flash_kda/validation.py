@@ -1,0 +1,284 @@
+"""Argument checks of ``flash_kda.fwd``: the ordered checks that name the first problem, the tight pass that
+accepts a well-formed call in a third of their host time, and the host check of ``cu_seqlens``'s contents.
+
+Checks run in the order arch -> dtype -> device -> layout -> shape -> values; every message names the argument
+and shows the offending value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+
+__all__ = ["validate", "well_formed", "check_cu_seqlens", "check_arch", "device_capability", "device_index",
+           "cu_seqlens_on_host", "checked_cu_seqlens", "HEAD_DIM", "LOWER_BOUND_RANGE", "PARAM_TYPES",
+           "CHECK_CU_SEQLENS_ENV"]
+
+HEAD_DIM = 128  # K = V = 128: the only head size the kernel is built for.
+LOWER_BOUND_RANGE = (-5.0, 0.0)  # the kernel's chunk size keeps 2^{±G} in range only for lower_bound >= -5.
+REQUIRED_CAPABILITY = (9, 0)  # the kernel is compiled for sm_90a, which runs on compute capability 9.0 only.
+STATE_DTYPES = (torch.bfloat16, torch.float32)  # initial and final state each, independently
+PARAM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # A_log, dt_bias -> kda::ParamType
+CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
+ALIGNMENT = 16  # bytes: q, k, v, g, out, dt_bias and the states are read/written with 16-byte accesses
+# FLASH_KDA_CHECK_CU_SEQLENS=1: fwd checks a CUDA cu_seqlens on the host before every call (a synchronisation).
+CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
+
+
+def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+              workspace, *, concrete: bool) -> tuple[int, int, int, int]:
+    """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns (B, T, H, N).
+
+    ``concrete=False`` (fake tensors while tracing for torch.compile) skips what needs real storage or a real
+    device: the compute capability, the alignment of data pointers and the contents of ``cu_seqlens``.
+    """
+    if concrete:
+        dims = well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                            cu_seqlens, workspace)
+        if dims is not None:
+            return dims
+    # Something is off (or unusual, e.g. an int scale): the checks below, in order, name the first problem.
+    tensors = {
+        "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log, "dt_bias": dt_bias,
+        "initial_state": initial_state, "final_state": final_state, "cu_seqlens": cu_seqlens,
+    }  # fmt: skip
+    given = {name: t for name, t in tensors.items() if t is not None}
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t)=}")
+    for name in ("q", "k", "v", "g", "beta", "out", "A_log", "dt_bias"):
+        if name not in given:
+            raise TypeError(f"{name} is required, got {name}=None")
+
+    device = q.device  # read once: each .device read builds a new torch.device (host time per call)
+    on_cuda = device.type == "cuda"
+    # --- arch: the kernel is sm_90a machine code; anything else would fail at launch with a vaguer error.
+    if concrete and on_cuda:
+        check_arch(device)
+
+    # --- dtype
+    for name in ("q", "k", "v", "g", "beta", "out"):
+        if tensors[name].dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be bfloat16, got {name}.dtype={tensors[name].dtype}")
+    for name in ("A_log", "dt_bias"):
+        if tensors[name].dtype not in PARAM_TYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={tensors[name].dtype}")
+    for name in ("initial_state", "final_state"):
+        if name in given and given[name].dtype not in STATE_DTYPES:
+            raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={given[name].dtype}")
+    if cu_seqlens is not None and cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
+        raise TypeError(f"cu_seqlens must be int64 or int32, got {cu_seqlens.dtype=}")
+
+    # --- device: one device for everything, except that cu_seqlens may also be on the CPU with CUDA tensors
+    # (then it is validated on the host, where that costs no synchronisation, and copied to the device).
+    if not on_cuda and device.type != "cpu":
+        raise ValueError(f"tensors must be on a CUDA or CPU device, got {q.device=}")
+    for name, t in given.items():
+        if name == "cu_seqlens" and cu_seqlens_on_host(q, t):
+            continue
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got q.device={device} but {name}.device={t.device}")
+    if workspace is not None:
+        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8:
+            raise TypeError(f"workspace must be a uint8 tensor, got {getattr(workspace, 'dtype', type(workspace))=}")
+        if workspace.device != device:
+            raise ValueError(f"workspace must be on q's device, got {workspace.device=} {q.device=}")
+
+    # --- layout: the kernel indexes the layouts of docs/SPEC.md with implicit strides.
+    for name, t in given.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got {name}.stride()={t.stride()} for shape {tuple(t.shape)}")
+    if workspace is not None and not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous, got {workspace.stride()=}")
+    if concrete and on_cuda:
+        # The kernels move rows with 16-byte vector loads and bulk copies; fresh allocations always qualify,
+        # a view that starts mid-row may not.
+        aligned = {**given, "workspace": workspace} if workspace is not None else given
+        for name, t in aligned.items():
+            if t.data_ptr() % ALIGNMENT and name not in ("beta", "A_log", "cu_seqlens"):
+                raise ValueError(
+                    f"{name} must start at a {ALIGNMENT}-byte aligned address on CUDA, got "
+                    f"{name}.data_ptr() % {ALIGNMENT} = {t.data_ptr() % ALIGNMENT} (a view with a storage offset?)"
+                )
+
+    # --- shape
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got {q.shape=}")
+    B, T, H, K = q.shape
+    if K != HEAD_DIM:
+        raise NotImplementedError(f"flash_kda supports head dim K = {HEAD_DIM} only, got K={K} from {q.shape=}")
+    if v.dim() != 4:
+        raise ValueError(f"v must be [B, T, H, V], got {v.shape=}")
+    V = v.shape[-1]
+    if V != HEAD_DIM:
+        raise NotImplementedError(f"flash_kda supports head dim V = {HEAD_DIM} only, got V={V} from {v.shape=}")
+    expected_shapes = {
+        "k": (B, T, H, K), "g": (B, T, H, K), "v": (B, T, H, V), "out": (B, T, H, V), "beta": (B, T, H),
+        "A_log": (H,),
+    }  # fmt: skip
+    for name, shape in expected_shapes.items():
+        if tensors[name].shape != shape:  # torch.Size is a tuple
+            raise ValueError(f"{name} must have shape {list(shape)} (from {q.shape=}), got {name}.shape={tuple(tensors[name].shape)}")
+    if tuple(dt_bias.shape) not in ((H, K), (H * K,)):
+        raise ValueError(f"dt_bias must have shape [{H}, {K}] (or flat [{H * K}]), got {dt_bias.shape=}")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires B == 1 (sequences are packed along T), got B={B} from {q.shape=}")
+        N = cu_seqlens.numel() - 1
+    else:
+        N = B
+    for name in ("initial_state", "final_state"):
+        if name in given and tuple(given[name].shape) != (N, H, V, K):
+            raise ValueError(
+                f"{name} must have shape [N, H, V, K] = {[N, H, V, K]}, got {name}.shape={tuple(given[name].shape)}"
+            )
+
+    # --- scalar values
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number, got {scale=}")
+    if (
+        not isinstance(lower_bound, numbers.Real)
+        or isinstance(lower_bound, bool)
+        or not math.isfinite(lower_bound)
+        or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]
+    ):
+        raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got {lower_bound=}")
+
+    return B, T, H, N
+
+
+def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+                 workspace) -> tuple[int, int, int, int] | None:
+    """(B, T, H, N) when every check of ``validate`` passes for a call of the usual kind, else None.
+
+    Host time per call: the same conditions as ``validate`` in one tight pass (about a third of its cost), with
+    no messages; whatever it does not accept (a bad argument, or an int ``scale``) goes through ``validate``'s
+    ordered checks, which raise or accept. It must never accept what those checks refuse (test_validation's
+    error cases all go through ``fwd`` and so through here first).
+    """
+    Tensor = torch.Tensor
+    bf16 = torch.bfloat16
+    for t in (q, k, v, g, beta, out, A_log, dt_bias):
+        if not isinstance(t, Tensor):
+            return None
+    device = q.device
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        if device_capability(device) != REQUIRED_CAPABILITY:
+            return None
+    elif device.type != "cpu":
+        return None
+    shape = q.shape
+    if len(shape) != 4 or shape[3] != HEAD_DIM:
+        return None
+    B, T, H, K = shape
+    for t in (q, k, v, g, out):
+        if t.dtype != bf16 or t.shape != shape or t.device != device or not t.is_contiguous():
+            return None
+    if beta.dtype != bf16 or beta.shape != shape[:3] or beta.device != device or not beta.is_contiguous():
+        return None
+    for t in (A_log, dt_bias):
+        if t.dtype not in PARAM_TYPES or t.device != device or not t.is_contiguous():
+            return None
+    if A_log.shape != (H,) or tuple(dt_bias.shape) not in ((H, K), (H * K,)):
+        return None
+    if cu_seqlens is None:
+        N = B
+    else:
+        if (not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in CU_SEQLENS_DTYPES or cu_seqlens.dim() != 1
+                or cu_seqlens.numel() < 2 or B != 1 or not cu_seqlens.is_contiguous()):
+            return None
+        if cu_seqlens.device != device and not (on_cuda and cu_seqlens.device.type == "cpu"):
+            return None
+        N = cu_seqlens.numel() - 1
+    for t in (initial_state, final_state):
+        if t is not None:
+            if (not isinstance(t, Tensor) or t.dtype not in STATE_DTYPES or t.device != device
+                    or not t.is_contiguous() or t.shape != (N, H, HEAD_DIM, HEAD_DIM)):
+                return None
+    if workspace is not None:
+        if (not isinstance(workspace, Tensor) or workspace.dtype != torch.uint8 or workspace.device != device
+                or not workspace.is_contiguous()):
+            return None
+    if on_cuda:
+        for t in (q, k, v, g, out, dt_bias, initial_state, final_state, workspace):
+            if t is not None and t.data_ptr() % ALIGNMENT:
+                return None
+    if type(scale) is not float or not math.isfinite(scale):
+        return None
+    if type(lower_bound) is not float or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]:
+        return None  # (NaN fails the range test; ±inf are outside it)
+    return B, T, H, N
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
+    """Validates the contents of ``cu_seqlens`` on the host (this synchronises with the device).
+
+    ``fwd`` does not read ``cu_seqlens`` on the host for CUDA tensors; call this where malformed boundaries may
+    come from outside.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | cu_seqlens | int64 / int32 | [N + 1] | sequence boundaries |
+    | total_tokens | int | — | T, the packed length (q.shape[1] with B = 1) |
+
+    Raises ValueError naming the problem unless N >= 1, cu[0] == 0, cu is non-decreasing and cu[N] == T.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
+        raise TypeError(f"cu_seqlens must be an int64 or int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))=}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0].item()} in cu_seqlens={cu.tolist()}")
+    steps = cu[1:] - cu[:-1]
+    if (steps < 0).any():
+        n = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{n}]={cu[n].item()} > "
+            f"cu_seqlens[{n + 1}]={cu[n + 1].item()}"
+        )
+    if cu[-1] != total_tokens:
+        raise ValueError(
+            f"cu_seqlens[-1] must equal the number of tokens {total_tokens}, got cu_seqlens[-1]={cu[-1].item()}"
+        )
+
+
+def cu_seqlens_on_host(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    return q.device.type == "cuda" and cu_seqlens.device.type == "cpu"
+
+
+def checked_cu_seqlens() -> bool:
+    """FLASH_KDA_CHECK_CU_SEQLENS=1: validate a CUDA cu_seqlens on the host before every call (synchronises)."""
+    return os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0")
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, read once per device (a seam for tests, which monkeypatch it)."""
+    index = device_index(device)
+    capability = _capabilities.get(index)
+    if capability is None:
+        capability = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+    return capability
+
+
+def check_arch(device: torch.device) -> None:
+    capability = tuple(device_capability(device))
+    if capability != REQUIRED_CAPABILITY:
+        raise RuntimeError(
+            f"flash_kda's CUDA kernel is built for sm_90a and needs compute capability 9.0 (H100/H200), "
+            f"got device {device} with capability {capability}; use CPU tensors for the portable path"
+        )
+
