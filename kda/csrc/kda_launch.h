@@ -12,15 +12,15 @@
 
 namespace kda {
 
-// The stages of the forward: preparation (kda_prepare.cu), the time split's scan pass (kda_recurrence.cu)
-// and composition (kda_segment_compose.cu), the recurrence's finishing pass (kda_recurrence.cu).
+// The stages of the forward: preparation (prepare.cu), the time split's scan pass (scan_pass.cu) and
+// composition (segment_compose.cu), the recurrence's finishing pass (finish_pass.cuh, recurrence_dispatch.cu).
 void launch_prepare(const FwdParams& p, cudaStream_t stream);
-// The overlap's tail preparation (kda_prepare.cu), a programmatic dependent of launch_prepare's kernel.
+// The overlap's tail preparation (prepare_tail.cu), a programmatic dependent of launch_prepare's kernel.
 void launch_prepare_tail(const FwdParams& p, cudaStream_t stream);
 void launch_segment_scan(const FwdParams& p, cudaStream_t stream);
 void launch_segment_compose(const FwdParams& p, cudaStream_t stream);
 void launch_recurrence(const FwdParams& p, cudaStream_t stream);
-// The single pass (plan.single_pass): preparation and recurrence in one kernel, no workspace (kda_recurrence.cu).
+// The single pass (plan.single_pass): preparation and recurrence in one kernel, no workspace (single_pass.cuh).
 void launch_single_pass(const FwdParams& p, cudaStream_t stream);
 
 // Records a malformed CUDA cu_seqlens in the device's error word (kda_checks.cu); no-op without one.

@@ -182,7 +182,7 @@ inline Plan split_short_sequences(Plan plan, int64_t mean_chunks) {
   return plan;
 }
 
-// The single pass (kda_recurrence.cu) saves the records' round trip through HBM (1,736 of 3,018 bytes per
+// The single pass (single_pass.cuh) saves the records' round trip through HBM (1,736 of 3,018 bytes per
 // token-head) and needs no workspace, but each CTA prepares its chunks and then runs them, one after the other on
 // its SM: 1.68 µs per chunk against 0.74 for a finishing step (H200, one CTA per SM), so it only pays where the
 // two stages waste the SMs on short sequences. Measured (GPU ms, two stages / single pass, docs/DESIGN.md): varlen

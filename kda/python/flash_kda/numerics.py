@@ -1,7 +1,7 @@
 """The chunked KDA forward with pluggable arithmetic: the CUDA kernel's numerics twin and the CPU path.
 
-Both run the same chunk-16 algorithm as the kernel (docs/SPEC.md §2, kda/csrc/kda_prepare.cu and
-kda_recurrence.cu), step for step and in the same order. What differs is the arithmetic:
+Both run the same chunk-16 algorithm as the kernel (docs/SPEC.md §2, kda/csrc/prepare_chunk.cuh and
+recurrence_step.cuh), step for step and in the same order. What differs is the arithmetic:
 
 * ``KernelArithmetic`` (the twin, CUDA only) re-enacts the kernel exactly: the same approximate instructions
   (``ex2.approx.ftz``, ``tanh.approx`` through the extension's helpers), the same bf16 rounding of every
@@ -134,7 +134,7 @@ def _gather_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
 
 
 def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: ChunkLayout, ar: Arithmetic):
-    """Everything that does not touch the state, for all chunks and heads at once (kda_prepare.cu)."""
+    """Everything that does not touch the state, for all chunks and heads at once (prepare_chunk.cuh)."""
     device = q.device
     valid = layout.valid[:, None, :]  # [C, 1, 16]
     qf = _gather_chunks(q, layout).float()  # [C, H, 16, K]
@@ -188,7 +188,7 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
 def _run_units(prep: dict, states: torch.Tensor, first_chunk: list, counts: list, ar: Arithmetic,
                out_chunks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Runs every unit u from ``states[u]`` over chunks first_chunk[u] .. first_chunk[u] + counts[u] - 1, all
-    units in lockstep (kda_recurrence.cu's step); returns the end states [U, H, R, K].
+    units in lockstep (recurrence_step.cuh's step); returns the end states [U, H, R, K].
 
     A unit is a whole sequence, or one segment of the time split. ``states`` rows are independent: R = 128 state
     rows, or 256 when the time split's transition rows (which see v = 0) sit above the state rows.
@@ -237,7 +237,7 @@ def _hi_lo(x: torch.Tensor, ar: Arithmetic) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _compose(state: torch.Tensor, m: torch.Tensor, q: torch.Tensor, ar: Arithmetic) -> torch.Tensor:
-    """S · M + Q in kda_segment_compose.cu's order: Q + S_hi·M_hi, then + S_hi·M_lo, then + S_lo·M_hi."""
+    """S · M + Q in segment_compose.cu's order: Q + S_hi·M_hi, then + S_hi·M_lo, then + S_lo·M_hi."""
     s_hi, s_lo = _hi_lo(state, ar)
     m_hi, m_lo = _hi_lo(m, ar)
     d = ar.matmul(s_hi, m_hi, q)
