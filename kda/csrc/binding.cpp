@@ -15,6 +15,7 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/kda_plan.h"
+#include "kda/csrc/status_word.h"
 
 namespace py = pybind11;
 
@@ -330,6 +331,18 @@ PYBIND11_MODULE(_C, m) {
           py::arg("segment_chunks") = py::none(), py::arg("single_pass") = py::none(),
           py::arg("lead_chunks") = py::none(), py::arg("tail_ctas") = py::none(),
           py::arg("longest_first") = py::none(), "A copy with the given fields changed.");
+  m.attr("STATUS_CLEAR") = kda::kStatusClear;
+  m.def("status_word_create", &kda::status_word_create, py::arg("device"),
+        "Allocates and clears CUDA device `device`'s error word (outside any memory pool); returns its address.");
+  m.def(
+      "status_word_take",
+      [](std::uintptr_t address, int device) {
+        py::gil_scoped_release release;
+        return kda::status_word_take(address, device);
+      },
+      py::arg("address"), py::arg("device"),
+      "Waits for all work on `device`, then reads and resets its error word atomically; returns the value read "
+      "(1 << 62: no malformed cu_seqlens since the last take).");
   m.def("fwd", &fwd, py::arg("tensors"), py::arg("shape"), py::arg("plan"), py::arg("launch"),
         "Enqueues the KDA forward on CUDA device `device`'s stream `stream` under `plan` (a Plan from choose_plan). "
         "tensors = (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, "

@@ -13,6 +13,7 @@
 #include "kda/csrc/prepare_chunk.cuh"
 #include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/smem_opt_in.h"
+#include "kda/csrc/window_table.cuh"
 
 namespace kda {
 namespace {
@@ -36,7 +37,7 @@ __device__ __forceinline__ void note_scanned_segment(const FwdParams& p, int64_t
   if (chunk % L != 0) return;
   const int64_t j = chunk / L;
   if (j + 1 >= segment_count(len, L)) return;  // a sequence's last segment needs no map
-  if (threadIdx.x % 32 == 0) window_table(p)[slot / L] = WindowItem{static_cast<int32_t>(n), static_cast<int32_t>(j)};
+  if (threadIdx.x % 32 == 0) store_window_item(p, slot / L, n, j);
 }
 
 // Item `item` = (chunk slot, head) of the preparation, by one warp.

@@ -11,6 +11,7 @@
 #include "kda/csrc/recurrence_state_rows.cuh"
 #include "kda/csrc/recurrence_step.cuh"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/window_table.cuh"
 
 namespace kda {
 namespace {
@@ -38,7 +39,7 @@ __global__ void __launch_bounds__(kWarps * 32, kScanCtasPerSm<kWarps>) kda_segme
     j = blockIdx.x % per_seq;
     window = window_of(n * p.seqlen, n, j, L);
   } else {
-    const WindowItem item = window_table(p)[blockIdx.x];
+    const WindowItem item = scanned_segment_in_window(p, blockIdx.x);
     if (item.n < 0) return;  // no scanned segment starts in this window (CTA-uniform)
     n = item.n;
     j = item.j;

@@ -16,6 +16,7 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/window_table.cuh"
 
 namespace kda {
 namespace {
@@ -79,7 +80,7 @@ template <typename StateT>
 __global__ void __launch_bounds__(kComposeWarps * 32) kda_segment_compose_kernel(const FwdParams p) {
   int64_t n = blockIdx.x;  // fixed length: one column per sequence (kda_params.h, pass_columns)
   if (p.cu_seqlens != nullptr) {
-    const WindowItem item = window_table(p)[blockIdx.x];
+    const WindowItem item = scanned_segment_in_window(p, blockIdx.x);
     if (item.n < 0 || item.j != 0) return;  // a chain starts in the window of its sequence's first segment
     n = item.n;
   }

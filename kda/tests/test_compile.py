@@ -90,11 +90,20 @@ def _fake_cuda_call(**changes):
                     dt_bias=torch.empty(4, D, device="cuda"), lower_bound=-5.0, initial_state=None,
                     final_state=None, cu_seqlens=None, workspace=None)  # fmt: skip
         args.update({name: make(q) if callable(make) else make for name, make in changes.items()})
-        torch.ops.flash_kda.fwd(**args)
+        result = torch.ops.flash_kda.fwd(**args)
+        return result, args
 
 
 def test_fake_cuda_tensors_trace_without_a_gpu():
-    _fake_cuda_call()  # no exception: shapes and dtypes are valid, nothing reads data or the device
+    """Fake CUDA tensors pass the fake implementation (it reads no data and no device), the call returns nothing
+    and leaves its outputs as they were, and the operator declares exactly what it writes (torch.compile's graph
+    orders the kernel's mutations by that declaration)."""
+    result, args = _fake_cuda_call()
+    assert result is None
+    assert args["out"].shape == (1, 32, 4, D) and args["out"].dtype == torch.bfloat16 and args["out"].is_cuda
+    schema = torch.ops.flash_kda.fwd.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"out", "final_state", "workspace"}, written
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,10 @@ A child Python process runs small cases that reach the kernel's edge paths (a pa
 sequences, both state dtypes, no state, int32 cu_seqlens) and, with forced plans, the 8-warp CTAs whose
 products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1), the single pass (a
 sequence of more than one block of 8 chunks, empty ones, a partial chunk) and the overlap (lead and tail
-records, a partial chunk) under each tool; the test asserts exit
+records, a partial chunk), then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
+0, negative, a last one short of T) under every plan kind that takes cu_seqlens (two stages, longest first, the
+single pass, the time split with and without a V split), each naming its first bad index through
+``flash_kda.last_error``, under each tool; the test asserts exit
 code 0 and the tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
 0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
 /usr/local/cuda/bin; where it is absent the test is skipped (with KDA_REQUIRE_GPU=1 it fails instead).
@@ -64,8 +67,44 @@ CHILD = textwrap.dedent(
             flash_kda.fwd(**{n: x[n] for n in names})
         torch.cuda.synchronize()
         print("ran", case.id, flush=True)
+
+    # Malformed CUDA cu_seqlens (never read on the host) under every plan kind that takes cu_seqlens: the kernels
+    # clamp them and stay inside their buffers; the device word names the first bad index. (The overlap runs
+    # fixed-length batches only: a varlen call never takes it, forced or not.)
+    malformed = [
+        # (boundaries over T = 400 tokens, first bad index); mean 9 chunks a sequence (no single pass unforced)
+        ([0, 200, 100, 400], 2),          # decreasing
+        ([0, 150, 5000, 400], 2),         # past the end
+        ([5, 100, 250, 400], 0),          # first not 0
+        ([0, -7, 200, 400], 1),           # negative
+        ([0, 100, 200, 300], 3),          # last short of T
+    ]
+    plans = [
+        ("two_stage", lambda: testing.force_plan(single_pass=False, lead_chunks=-1), 4),
+        ("longest_first", automatic, 96),  # N * H > 132 SMs, at most 256 sequences: ranked longest first
+        ("single_pass", lambda: testing.force_plan(single_pass=True), 4),
+        ("time_split", lambda: testing.force_plan(v_split=1, segment_chunks=2, scan_v_split=1), 4),
+        ("time_split_vsplit", lambda: testing.force_plan(v_split=4, segment_chunks=3), 4),
+    ]
+    for cu, first_bad in malformed:
+        for plan_name, plan, H in plans:
+            case = matrix.Case("adversarial", H=H, T=400, state_dtype="fp32")
+            x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
+            N = len(cu) - 1
+            x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64).cuda()
+            x["initial_state"] = x["initial_state"][:1].expand(N, -1, -1, -1).contiguous()
+            x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
+            with plan():
+                if plan_name == "longest_first":
+                    assert flash_kda.plan(x["q"], x["cu_seqlens"]).longest_first
+                flash_kda.fwd(**{n: x[n] for n in names})
+            torch.cuda.synchronize()
+            message = flash_kda.last_error()
+            assert message is not None and f"cu_seqlens[{first_bad}]" in message, (cu, plan_name, message)
+            print("ran malformed", cu, plan_name, flush=True)
     """
 )
+MALFORMED_RUNS = 5 * 5  # malformed boundaries x plan kinds in CHILD
 
 
 def find_sanitizer() -> str | None:
@@ -95,5 +134,5 @@ def test_compute_sanitizer(tool: str) -> None:
     assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
     assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
     ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
-    expected = CHILD.count("matrix.Case(")
+    expected = CHILD.count("matrix.Case(") - 1 + MALFORMED_RUNS  # one Case( builds the malformed runs
     assert len(ran) == expected, f"{len(ran)} of {expected} cases ran under {tool}:\n{tail}"

@@ -13,7 +13,7 @@ import threading
 import torch
 
 from flash_kda import _ext
-from flash_kda.planning import host_cu_seqlens_bytes, plan_for, sm_count_of
+from flash_kda.planning import host_cu_seqlens_bytes, host_cu_seqlens_offset, plan_for, sm_count_of
 from flash_kda.validation import (
     HEAD_DIM,
     PARAM_TYPES,
@@ -55,16 +55,20 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     index = q.device.index  # a CUDA tensor's device always has an index
     stream = _ext.current_stream(index)
     plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index))
-    nbytes = kernel_bytes + (host_cu_seqlens_bytes(N) if cu_on_host else 0)
+    cu_offset = host_cu_seqlens_offset(kernel_bytes)
+    nbytes = cu_offset + host_cu_seqlens_bytes(N) if cu_on_host else kernel_bytes
     if workspace is None:
         workspace = _cached_workspace(index, stream, nbytes)
     elif workspace.numel() < nbytes:
         raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
     if cu_on_host:
-        # Behind the kernel's records: an asynchronous copy (a pageable host buffer is staged at once, so the
-        # caller may reuse it on return), no allocation, no synchronisation.
-        device_cu = workspace[kernel_bytes : kernel_bytes + 8 * (N + 1)].view(torch.int64)
-        device_cu.copy_(cu_seqlens.to(torch.int64), non_blocking=True)
+        # Behind the kernel's bytes, from a private pageable copy of what was validated above: CUDA stages a
+        # pageable source before the asynchronous copy returns, so the caller may change its buffer (pinned or
+        # not) as soon as fwd returns. No device allocation, no synchronisation.
+        staged = torch.empty(N + 1, dtype=torch.int64)
+        staged.copy_(cu_seqlens)
+        device_cu = workspace[cu_offset : cu_offset + 8 * (N + 1)].view(torch.int64)
+        device_cu.copy_(staged, non_blocking=True)
         cu_seqlens = device_cu
 
     # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens (a host
@@ -85,15 +89,54 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
          cu_seqlens is not None and cu_seqlens.dtype == torch.int64),
         (B, T, N, H, float(scale), float(lower_bound)),
         plan,
-        (workspace.data_ptr(), workspace.numel(), 0 if status is None else status.data_ptr(), stream, index),
+        (workspace.data_ptr(), workspace.numel(), 0 if status is None else status, stream, index),
     )  # fmt: skip
     return None
 
 
 
+# The CPU path's host memory: its fp32 chunk tensors hold about 8.0-8.6 KiB per token-head at their peak (peak RSS
+# over the call, T4096 H4 / T16384 H4 / T8192 H16: 202 / 538 / 1002 MiB), plus a fixed part of tens of MiB.
+CPU_BYTES_PER_TOKEN_HEAD = 9 * 1024
+CPU_FIXED_BYTES = 128 << 20
+
+
+def cpu_bytes_needed(token_heads: int) -> int:
+    """An upper bound of the host memory the CPU path holds for a call of ``token_heads`` = B·T·H."""
+    return CPU_FIXED_BYTES + CPU_BYTES_PER_TOKEN_HEAD * token_heads
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel says a new allocation can have without swapping (Linux MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
-    """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state``."""
+    """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state``.
+
+    Refuses (MemoryError, before any work) a call whose working memory exceeds what the host has available."""
     from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
+
+    B, T, H, _ = q.shape
+    needed = cpu_bytes_needed(B * T * H)
+    available = available_host_memory()
+    if available is not None and needed > available:
+        raise MemoryError(
+            f"flash_kda: the CPU path needs about {_gib(needed)} for {B * T * H} token-heads "
+            f"(B*T*H from {tuple(q.shape)=}; ~{CPU_BYTES_PER_TOKEN_HEAD // 1024} KiB each) but the host has "
+            f"{_gib(available)} available; use CUDA tensors or split the call"
+        )
 
     if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
         cu_seqlens = cu_seqlens.to(torch.int64)
@@ -107,12 +150,15 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
 
 
 
-_STATUS_CLEAR = 1 << 62  # the error word when no malformed boundary was seen (the kernel lowers it atomically)
-_status_words: dict[int, torch.Tensor] = {}
+_status_words: dict[int, int] = {}  # device index -> address of its error word
 
 
-def _status_word(index: int) -> torch.Tensor:
-    """Device ``index``'s error word (one int64, allocated once per device, never during graph capture)."""
+def _status_word(index: int) -> int:
+    """The address of device ``index``'s error word, created once per device and never during graph capture.
+
+    The extension allocates it outside PyTorch's caching allocator (kda/csrc/status_word.cu): created on a first
+    call inside torch.compile's CUDA graph trees, a tensor would land in the pool they own, where only tracked
+    outputs may live."""
     word = _status_words.get(index)
     if word is not None:
         return word
@@ -124,8 +170,7 @@ def _status_word(index: int) -> torch.Tensor:
                     "flash_kda.fwd needs its per-device error word during CUDA graph capture but it does not exist "
                     "yet; call flash_kda.fwd once or flash_kda.reserve_workspace(...) before capture"
                 )
-            word = torch.full((1,), _STATUS_CLEAR, dtype=torch.int64, device=torch.device("cuda", index))
-            _status_words[index] = word
+            word = _status_words[index] = int(_ext.load().status_word_create(index))
         return word
 
 
@@ -134,19 +179,22 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
 
     ``fwd`` never reads a CUDA ``cu_seqlens`` on the host (that would synchronise); a small kernel checks its
     boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and records the first bad
-    index in a per-device word. This query reads that word (a synchronisation), resets it and returns a message
-    naming ``cu_seqlens`` and the index; the outputs of the offending call are unspecified.
+    index in a per-device word. This query covers every call enqueued on ``device`` before it, on any stream and
+    from any thread (it waits for all of the device's work: ``torch.cuda.synchronize(device)``), then reads and
+    resets the word in one atomic exchange and returns a message naming ``cu_seqlens`` and the index; the outputs
+    of the offending call are unspecified. Calls enqueued while the query runs are reported by the next query.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"last_error needs a CUDA device, got {device=}")
-    word = _status_words.get(device_index(device))
+    index = device_index(device)
+    word = _status_words.get(index)
     if word is None:
         return None
-    first_bad = int(word.item())
-    if first_bad >= _STATUS_CLEAR:
+    C = _ext.load()
+    first_bad = int(C.status_word_take(word, index))
+    if first_bad >= C.STATUS_CLEAR:  # (the value of a word that no malformed boundary lowered)
         return None
-    word.fill_(_STATUS_CLEAR)
     return (
         f"flash_kda: a call on cuda:{device_index(device)} got a malformed cu_seqlens: cu_seqlens[{first_bad}] is "
         "its first bad boundary (cu_seqlens must start at 0, never decrease and end at the number of tokens); "
@@ -157,10 +205,15 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
 
 # One cached workspace per (device index, stream): a buffer shared across streams could be overwritten by a
 # kernel on another stream while still in use. The caching allocator ties each buffer to the stream it was
-# allocated on, so replacing it by a larger one is stream-ordered and safe.
+# allocated on, so replacing it by a larger one is stream-ordered and safe for eager work. A CUDA graph captured
+# on a cached buffer keeps its address for every replay, so a buffer handed to a capture is never freed: when the
+# cache outgrows it, it moves to _held_by_graphs for the life of the process.
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_captured: set[int] = set()  # data_ptr of cached buffers a capture has used
+_held_by_graphs: list[torch.Tensor] = []
 _workspaces_lock = threading.Lock()
 _WORKSPACE_GRANULE = 2 << 20  # round growth up to 2 MiB so slowly growing inputs do not reallocate every call
+_capturing = torch._C._cuda_isCurrentStreamCapturing  # (what torch.cuda.is_current_stream_capturing calls)
 
 
 def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
@@ -168,19 +221,26 @@ def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
     key = (index, stream)
     buf = _workspaces.get(key)  # the common case, without the lock: a dict read is atomic
     if buf is not None and buf.numel() >= nbytes:
+        if _capturing():
+            _captured.add(buf.data_ptr())
         return buf
     with _workspaces_lock:
         buf = _workspaces.get(key)
         if buf is not None and buf.numel() >= nbytes:
+            if _capturing():
+                _captured.add(buf.data_ptr())
             return buf
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise RuntimeError(
                 f"flash_kda.fwd needs {nbytes} workspace bytes during CUDA graph capture but the cached workspace "
                 f"holds {0 if buf is None else buf.numel()}; pass workspace= or call "
                 "flash_kda.reserve_workspace(flash_kda.workspace_bytes(q, cu_seqlens), q.device) before capture"
             )
         size = -(-nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
-        _workspaces.pop(key, None)  # free the old buffer before allocating its replacement
+        old = _workspaces.pop(key, None)
+        if old is not None and old.data_ptr() in _captured:
+            _held_by_graphs.append(old)  # a captured graph writes it at every replay
+        del old  # otherwise freed before its replacement is allocated
         buf = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
         _workspaces[key] = buf
         return buf

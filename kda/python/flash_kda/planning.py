@@ -79,9 +79,18 @@ def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
     records at all), which depends on the device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for
     its device copy.
     """
-    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
-    extra = host_cu_seqlens_bytes(N) if cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens) else 0
-    return _plan_and_bytes(q, cu_seqlens)[1] + extra
+    N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
+    kernel_bytes = _plan_and_bytes(q, cu_seqlens)[1]
+    if cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens):
+        return host_cu_seqlens_offset(kernel_bytes) + host_cu_seqlens_bytes(N)
+    return kernel_bytes
+
+
+def host_cu_seqlens_offset(kernel_bytes: int) -> int:
+    """Where the device copy of a CPU ``cu_seqlens`` starts in the workspace: after the kernels' bytes, on a
+    16-byte boundary (those bytes end on any 4-byte boundary: the overlap's flags and the longest-first order
+    hold 4 bytes per entry)."""
+    return -(-kernel_bytes // 16) * 16
 
 
 def host_cu_seqlens_bytes(num_seqs: int) -> int:
@@ -91,8 +100,8 @@ def host_cu_seqlens_bytes(num_seqs: int) -> int:
 
 def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[Plan, int]:
     """``plan(q, cu_seqlens)`` and the kernels' workspace bytes under it."""
-    B, T, H, _ = q.shape
-    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    B, T, H = (int(d) for d in q.shape[:3])  # (int: symbolic sizes under torch.compile specialise here)
+    N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else B
     sm_count = _sm_count(q.device) if q.device.type == "cuda" else DEFAULT_SM_COUNT
     return plan_for(B, T, H, N, cu_seqlens is not None, sm_count)
 

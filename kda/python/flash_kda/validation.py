@@ -24,6 +24,11 @@ STATE_DTYPES = (torch.bfloat16, torch.float32)  # initial and final state each, 
 PARAM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # A_log, dt_bias -> kda::ParamType
 CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
 ALIGNMENT = 16  # bytes: q, k, v, g, out, dt_bias and the states are read/written with 16-byte accesses
+MAX_HEADS = 65535  # the kernels launch heads along a grid's y dimension, whose limit this is
+FP32_OVERFLOW = 3.4028235677973366e38  # a float of this magnitude or more rounds to ±inf in float32
+# What fwd writes, checked in this order against everything else it touches (kernel code may read one while
+# another CTA writes the other, so no overlap is allowed, except final_state over initial_state's exact memory).
+WRITTEN = ("final_state", "out", "workspace")
 # FLASH_KDA_CHECK_CU_SEQLENS=1: fwd checks a CUDA cu_seqlens on the host before every call (a synchronisation).
 CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
 
@@ -137,10 +142,30 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
             raise ValueError(
                 f"{name} must have shape [N, H, V, K] = {[N, H, V, K]}, got {name}.shape={tuple(given[name].shape)}"
             )
+    if on_cuda and H > MAX_HEADS:
+        raise ValueError(f"q has H = {H} heads but the CUDA kernel takes at most {MAX_HEADS} (heads are a launch "
+                         f"grid's y dimension), got {q.shape=}")
+
+    # --- aliasing: outputs may not overlap anything else (fake tensors have no memory to compare)
+    if concrete:
+        same_device = {name: t for name, t in {**given, "workspace": workspace}.items()
+                       if t is not None and t.device == device}  # (a CPU cu_seqlens beside CUDA tensors is not)
+        overlap = first_overlap(same_device)
+        if overlap is not None:
+            written, other = overlap
+            raise ValueError(
+                f"{written} overlaps {other} in memory ({_span_text(written, same_device)}, "
+                f"{_span_text(other, same_device)}); outputs may not share memory with any "
+                "other argument, except final_state with initial_state when both start at the same address with "
+                "the same dtype (in place)"
+            )
 
     # --- scalar values
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite real number, got {scale=}")
+    if abs(scale) >= FP32_OVERFLOW:
+        raise ValueError(f"scale must be finite in float32 (|scale| < {FP32_OVERFLOW:.9g}; the kernel computes "
+                         f"in float32), got {scale=}")
     if (
         not isinstance(lower_bound, numbers.Real)
         or isinstance(lower_bound, bool)
@@ -205,15 +230,77 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
         if (not isinstance(workspace, Tensor) or workspace.dtype != torch.uint8 or workspace.device != device
                 or not workspace.is_contiguous()):
             return None
+    if on_cuda and H > MAX_HEADS:
+        return None
+    # Where each tensor lives (shapes are known by now, so byte sizes come from ints, not tensor calls): for the
+    # alignment check on CUDA and the overlap filter everywhere.
+    big = B * T * H * HEAD_DIM * 2
+    state_bytes = N * H * HEAD_DIM * HEAD_DIM
+    aligned = [(q.data_ptr(), big), (k.data_ptr(), big), (v.data_ptr(), big), (g.data_ptr(), big),
+               (out.data_ptr(), big), (dt_bias.data_ptr(), dt_bias.nbytes)]
+    for t in (initial_state, None if final_state is initial_state else final_state):  # (in place: once)
+        if t is not None:
+            aligned.append((t.data_ptr(), state_bytes * (4 if t.dtype == torch.float32 else 2)))
+    if workspace is not None:
+        aligned.append((workspace.data_ptr(), workspace.numel()))
     if on_cuda:
-        for t in (q, k, v, g, out, dt_bias, initial_state, final_state, workspace):
-            if t is not None and t.data_ptr() % ALIGNMENT:
+        for start, _ in aligned:
+            if start % ALIGNMENT:
                 return None
-    if type(scale) is not float or not math.isfinite(scale):
+    spans = [*aligned, (beta.data_ptr(), B * T * H * 2), (A_log.data_ptr(), A_log.nbytes)]
+    if cu_seqlens is not None and cu_seqlens.device == device:
+        spans.append((cu_seqlens.data_ptr(), cu_seqlens.nbytes))
+    if _spans_overlap(spans):
+        return None  # (validate's first_overlap tells the allowed from the refused)
+    if type(scale) is not float or not abs(scale) < FP32_OVERFLOW:  # (NaN fails the comparison)
         return None
     if type(lower_bound) is not float or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]:
         return None  # (NaN fails the range test; ±inf are outside it)
     return B, T, H, N
+
+
+def _spans_overlap(spans: list) -> bool:
+    """Whether any two (start, nbytes) spans share a byte."""
+    end = 0
+    for start, nbytes in sorted(spans):
+        if nbytes:
+            if start < end:
+                return True
+            end = max(end, start + nbytes)
+    return False
+
+
+def first_overlap(tensors: dict) -> tuple[str, str] | None:
+    """The first (written, other) pair of ``tensors`` (name -> contiguous tensor or None, all on one device)
+    whose bytes overlap.
+
+    Written tensors (``WRITTEN``) are checked in that order against every other tensor; ``final_state`` may be
+    ``initial_state``'s memory exactly (the same first byte and dtype: in place)."""
+    spans = {}
+    for name, t in tensors.items():
+        if t is not None:
+            nbytes = t.nbytes
+            if nbytes:
+                start = t.data_ptr()
+                spans[name] = (start, start + nbytes)
+    for written in WRITTEN:
+        span = spans.get(written)
+        if span is None:
+            continue
+        start, end = span
+        for other, (other_start, other_end) in spans.items():
+            if other == written or not (start < other_end and other_start < end):
+                continue
+            if (written, other) == ("final_state", "initial_state") and start == other_start and (
+                    tensors[written].dtype == tensors[other].dtype):
+                continue  # in place
+            return written, other
+    return None
+
+
+def _span_text(name: str, tensors: dict) -> str:
+    t = tensors[name]
+    return f"{name} bytes [{t.data_ptr():#x}, {t.data_ptr() + t.nbytes:#x})"
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
