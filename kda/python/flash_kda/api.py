@@ -75,11 +75,6 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         # do not have, and would break the graph.
         from flash_kda import ops  # noqa: PLC0415 -- registers the operator on first use
 
-        if workspace is None and isinstance(q, torch.Tensor) and q.device.type == "cuda":
-            # A buffer of the traced graph, not the per-stream cache: under CUDA graph trees
-            # (mode="reduce-overhead") the cache's first allocation would land in their private pool, where only
-            # tracked tensors may live, and a replay must never depend on a buffer the cache may later free.
-            workspace = torch.empty(workspace_bytes(q, cu_seqlens), dtype=torch.uint8, device=q.device)
         return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                           cu_seqlens, workspace)
     return _run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,

@@ -28,8 +28,11 @@ __all__ = ["run", "run_cpu", "last_error", "reserve_workspace"]
 
 
 def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-        workspace) -> None:
-    """``fwd`` outside tracing (the same arguments, all given): validate, then run the CUDA kernel or the CPU path."""
+        workspace, cached_workspace: bool = True) -> None:
+    """``fwd`` outside tracing (the same arguments, all given): validate, then run the CUDA kernel or the CPU path.
+
+    Without ``workspace``, a CUDA call uses the per-stream cache, or with ``cached_workspace=False`` a temporary
+    of its own (the operator's choice, ops.py)."""
     B, T, H, N = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                           cu_seqlens, workspace, concrete=True)
     K = HEAD_DIM
@@ -58,7 +61,8 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     cu_offset = host_cu_seqlens_offset(kernel_bytes)
     nbytes = cu_offset + host_cu_seqlens_bytes(N) if cu_on_host else kernel_bytes
     if workspace is None:
-        workspace = _cached_workspace(index, stream, nbytes)
+        workspace = (_cached_workspace(index, stream, nbytes) if cached_workspace
+                     else torch.empty(nbytes, dtype=torch.uint8, device=q.device))
     elif workspace.numel() < nbytes:
         raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
     if cu_on_host:

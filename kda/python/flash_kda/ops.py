@@ -31,9 +31,14 @@ def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 
     No argument has a default: the dispatcher drops trailing arguments equal to their defaults, and the
     version bump of a dropped mutated argument (final_state, workspace) then fails inside PyTorch's custom-op
-    machinery (seen with torch 2.11 on the H200)."""
+    machinery (seen with torch 2.11 on the H200).
+
+    Without ``workspace`` a CUDA call takes a temporary of its own instead of the per-stream cache: under CUDA
+    graph trees (torch.compile's mode="reduce-overhead") a first allocation of the cache would land in the
+    trees' private pool, where only tracked tensors may live, and a recorded graph must not depend on a cached
+    buffer that a later, larger call may replace. A temporary is freed in stream order like any intermediate."""
     launch.run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-               workspace)
+               workspace, cached_workspace=False)
 
 
 @fwd_op.register_fake
