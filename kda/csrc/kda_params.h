@@ -209,6 +209,16 @@ struct FwdParams {
   int lead_chunks;     // the overlap: chunks per sequence prepared before the recurrence starts; -1: no overlap
   int tail_ctas;       // the overlap: CTAs of the tail kernel, one per SM the recurrence leaves free
   bool longest_first;  // varlen, v_split 1, no time split: the finishing pass runs the longest sequences first
+  // (Fields below were appended after the kernels above were tuned: appending keeps every earlier field's offset,
+  // and so the machine code of kernels that do not read them.)
+  bool decode;         // the decode kernel (decode.cu): short sequences, token by token in fp32 registers
+  // Pooled states (flash_kda.fwd's state_indices), or null: sequence n's state is entry n of the state tensors.
+  // With indices, initial_state and final_state are pools [pool_slots, H, V, K] and sequence n uses slot
+  // state_indices[n] (state_slot, state_slots.cuh): a negative index, or one outside [0, pool_slots), means no
+  // state (start from zeros, write nothing); an index >= pool_slots is also reported through `status`.
+  const void* state_indices;  // int32 or int64 [N] on the device, or null
+  bool state_indices_is_int64;
+  int64_t pool_slots;  // P, the pools' first dimension (N without indices)
 };
 
 // Grid columns (grid.x) of the passes of a call, and so how a CTA column finds its work:

@@ -1,0 +1,25 @@
+// Where a sequence's state lives: entry n of the state tensors, or with pooled states (FwdParams::state_indices)
+// the pool slot state_indices[n]. Every kernel that reads an initial state or writes a final state goes through
+// state_slot, so pools work on every plan.
+#pragma once
+
+#include <cstdint>
+
+#include "kda/csrc/kda_params.h"
+
+namespace kda {
+
+// The state slot of sequence n, or -1 for "no state": start from zeros and write nothing. Negative indices are the
+// caller's padding rows; indices past the pool are refused the same way (and reported by the boundary check).
+__device__ __forceinline__ int64_t state_slot(const FwdParams& p, int64_t n) {
+  if (p.state_indices == nullptr) return n;
+  const int64_t slot = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[n]
+                                                : static_cast<const int32_t*>(p.state_indices)[n];
+  return slot >= 0 && slot < p.pool_slots ? slot : -1;
+}
+
+// The status-word code of a state index outside the pool (sequence n): above every cu_seqlens index, so the word
+// still names the first malformed cu_seqlens boundary when there is one (flash_kda.last_error decodes both).
+constexpr unsigned long long kStatusStateIndexBase = 1ull << 40;
+
+}  // namespace kda
