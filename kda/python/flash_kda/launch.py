@@ -41,10 +41,12 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
         check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
-    P = pool_slots(initial_state, final_state, N, state_indices)
-    indices_on_host = state_indices is not None and state_indices.device.type == "cpu"
-    if indices_on_host:
-        check_state_indices(state_indices, P, final_state is not None)  # on the host: free there
+    P, indices_on_host = N, False  # (the usual call: no pools, no host time beyond these two names)
+    if state_indices is not None:
+        P = pool_slots(initial_state, final_state, N, state_indices)
+        indices_on_host = state_indices.device.type == "cpu"
+        if indices_on_host:
+            check_state_indices(state_indices, P, final_state is not None)  # on the host: free there
 
     # --- nothing to compute: no launch with an empty grid, but final_state is still defined.
     if B * T == 0 or H == 0:
