@@ -80,7 +80,8 @@ def _breakdown(x: dict) -> None:
     ws = api.reserve_workspace(api.workspace_bytes(q), q.device)
     launch_args = ((q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
                     x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
-                    False), (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"])), run,
+                    False, 0, False), (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), 1),
+                   run,
                    (ws.data_ptr(), ws.numel(), 0, _ext.current_stream(index), index))  # fmt: skip
     steps = {
         "whole flash_kda.fwd": lambda: api.fwd(*args[:13]),

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/status_word.h"  // kStatusStateIndexBase
 
 namespace kda {
 
@@ -17,9 +18,5 @@ __device__ __forceinline__ int64_t state_slot(const FwdParams& p, int64_t n) {
                                                 : static_cast<const int32_t*>(p.state_indices)[n];
   return slot >= 0 && slot < p.pool_slots ? slot : -1;
 }
-
-// The status-word code of a state index outside the pool (sequence n): above every cu_seqlens index, so the word
-// still names the first malformed cu_seqlens boundary when there is one (flash_kda.last_error decodes both).
-constexpr unsigned long long kStatusStateIndexBase = 1ull << 40;
 
 }  // namespace kda

@@ -4,7 +4,7 @@
 CPU tensors take a portable fp32 path. Submodules: ``reference`` (float64 ground truth), ``numerics`` (the
 kernel's numerics twin and the CPU path), ``compare`` (error metrics), ``ops`` (``torch.ops.flash_kda.fwd``,
 what torch.compile traces), ``testing`` (test-only plan forcing), ``_ext`` (the compiled helpers); ``api``,
-``validation``, ``planning`` and ``launch`` hold the forward call's parts. ``Plan`` is the extension's type,
+``validation``, ``planning``, ``pools`` and ``launch`` hold the forward call's parts. ``Plan`` is the extension's type,
 loaded on first use, so ``import flash_kda`` works without the extension.
 """
 
@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 _SUBMODULES = ("reference", "numerics", "compare", "api", "validation", "planning", "launch", "ops", "testing",
-               "_ext")
+               "pools", "_ext")
 
 
 def __getattr__(name: str):
