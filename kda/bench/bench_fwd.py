@@ -7,6 +7,14 @@ into /tmp/peers-site as docs/PERFORMANCE.md "Reproducing it" describes). A progr
 
 Per case, right after our call and on the same tensors, it times the peers:
 - fla ``chunk_kda`` (Triton), with ``FLA_FLASH_KDA=0`` so that fla never dispatches to a ``flash_kda`` package;
+  on the decode rows (names starting "decode", sequences of at most 16 tokens, which our plan runs on the decode
+  kernel) fla's column is its recurrent kernel instead, ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd``
+  (fla 0.6.0), called as fla's KDA layer calls it for decode: ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``
+  (A_log [H], dt_bias flat [H*K], ``lower_bound``), ``use_beta_sigmoid_in_kernel``, ``state_v_first=True``, our
+  ``out`` buffer, and an fp32 state updated in place (``inplace_final_state=True``): on one-token rows a pool
+  ``[N, H, V, K]`` with ``ssm_state_indices = arange(N)`` (int32, 1-D: the engine's continuous batching); on
+  multi-token rows the dense state without indices (fla's 1-D indices address one slot per token there, so
+  they mean something else), still read and written in place;
 - MoonshotAI FlashKDA, whose package is also named ``flash_kda``: it is loaded from ``--moonshot_path`` under the
   module name ``moonshot_flash_kda``, with that path appended to ``sys.path`` (never ahead of ours).
 Each peer is optional: when it cannot be imported or raises, its column stays empty and a one-line note says why.
@@ -63,6 +71,8 @@ flags.DEFINE_enum("force_single_pass", "auto", ["auto", "on", "off"],
 flags.DEFINE_integer("force_lead_chunks", -2,
                      "run our calls under the overlap with this lead (chunks; fixed-length cases), -1: without it, "
                      "-2: the automatic plan")
+flags.DEFINE_enum("force_decode", "auto", ["auto", "on", "off"],
+                  "run our calls on the decode kernel (on), on a chunked plan (off) or under the automatic plan")
 
 BYTES_PER_TOKEN_HEAD = 1282  # q, k, v, g, out in bf16 (5 x 256 B) + beta (2 B): docs/SPEC.md §5
 HEAD_DIM = 128
@@ -83,6 +93,8 @@ class Case:
     heads: int
     seqlens: Optional[tuple] = None  # varlen: B must be 1
     state: str = "bf16"  # "bf16", "fp32" or "none": one state mode for all three implementations of the row
+    inplace: bool = False  # our final state is our initial state (decode rows: a serving engine's state in place)
+    fla_recurrent: bool = False  # fla's column times fused_recurrent_kda_fwd (decode rows) instead of chunk_kda
 
     @property
     def tokens(self) -> int:
@@ -104,8 +116,14 @@ class Case:
         return self.token_heads * BYTES_PER_TOKEN_HEAD + state_bytes
 
 
-def _varlen(name: str, lens: list[int], heads: int) -> Case:
-    return Case(name, 1, sum(lens), heads, tuple(lens))
+def _varlen(name: str, lens: list[int], heads: int, **kwargs) -> Case:
+    return Case(name, 1, sum(lens), heads, tuple(lens), **kwargs)
+
+
+def _decode(name: str, *args, **kwargs) -> Case:
+    """A decode row: sequences of at most 16 tokens, our state in place, fla's recurrent kernel as its peer."""
+    make = _varlen if "varlen" in name else Case
+    return make(name, *args, inplace=True, fla_recurrent=True, **kwargs)
 
 
 CASES = [
@@ -124,6 +142,12 @@ CASES = [
     Case("T8192 H96 fp32 state", 1, 8192, 96, state="fp32"),
     Case("T8192 H96 no state", 1, 8192, 96, state="none"),
     _varlen("varlen [131072, 64x128] H4", [131072] + [128] * 64, 4),  # one long + many short (issue 7)
+    # Decode (issue 26): the floor is the state read and written plus the token bytes.
+    _decode("decode B128 T1 H32", 128, 1, 32),
+    _decode("decode B512 T1 H8", 512, 1, 8),
+    _decode("decode varlen 128x4 H32", [4] * 128, 32),
+    _decode("decode B64 T16 H32", 64, 16, 32),
+    _decode("decode B128 T1 H32 fp32 state", 128, 1, 32, state="fp32"),
 ]
 
 
@@ -185,9 +209,11 @@ def forced_plan():
     from flash_kda import testing
 
     single = {"auto": None, "on": True, "off": False}[FLAGS.force_single_pass]
+    decode = {"auto": None, "on": True, "off": False}[FLAGS.force_decode]
     return testing.force_plan(v_split=FLAGS.force_v_split, single_pass=single,
                               segment_chunks=None if FLAGS.force_segment_chunks < 0 else FLAGS.force_segment_chunks,
-                              lead_chunks=None if FLAGS.force_lead_chunks < -1 else FLAGS.force_lead_chunks)
+                              lead_chunks=None if FLAGS.force_lead_chunks < -1 else FLAGS.force_lead_chunks,
+                              decode=decode)
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, batch: int = 1) -> float:
@@ -224,19 +250,28 @@ def measure_copy_ceiling(nbytes: int, iters: int = 10) -> float:
 Run = tuple[Callable[[], None], Callable[[], tuple]]
 
 
-def run_flash_kda(inp, state: str, scale: float, lower_bound: float) -> Run:
+def run_flash_kda(inp, state: str, scale: float, lower_bound: float, inplace: bool = False) -> Run:
+    """Our fwd; ``inplace``: the final state overwrites the initial one (then every timed call starts from the
+    previous call's state, and the outputs are those of one more call from the original state)."""
     import flash_kda
 
     out = torch.empty_like(inp["v"])
     dtype = STATE_DTYPES[state]
-    init = None if dtype is None or inp["init"] is None else inp["init"].to(dtype)
-    final = None if init is None else torch.empty_like(init)
+    original = None if dtype is None or inp["init"] is None else inp["init"].to(dtype)
+    init = original.clone() if inplace and original is not None else original
+    final = None if init is None else (init if inplace else torch.empty_like(init))
 
     def call():
         flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"], inp["dt_bias"],
                       lower_bound, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"])
 
-    return call, lambda: (out, final)
+    def outputs():
+        if inplace and init is not None:
+            init.copy_(original)
+            call()
+        return out, final
+
+    return call, outputs
 
 
 def run_fla(chunk_kda, inp, scale: float, lower_bound: float) -> Run:
@@ -254,6 +289,31 @@ def run_fla(chunk_kda, inp, scale: float, lower_bound: float) -> Run:
         result["out"], result["final"] = o, s
 
     return call, lambda: (result["out"], result["final"])
+
+
+def run_fla_recurrent(fused_recurrent_kda_fwd, inp, scale: float, lower_bound: float) -> Run:
+    """fla's recurrent kernel as its KDA layer runs decode, fp32 state in place (module docstring): a pool with
+    ssm_state_indices on one-token rows, the dense state on multi-token rows."""
+    original = inp["init"]  # fp32 [N, H, V, K]
+    state = original.clone()
+    one_token = inp["cu_seqlens"] is None and inp["q"].shape[1] == 1
+    indices = torch.arange(inp["n"], dtype=torch.int32, device=state.device) if one_token else None
+    dt_bias = inp["dt_bias"].reshape(-1)
+    out = torch.empty_like(inp["v"])
+
+    def call():
+        fused_recurrent_kda_fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                                dt_bias=dt_bias, initial_state=state, scale=scale, output_final_state=True,
+                                inplace_final_state=True, state_v_first=True, cu_seqlens=inp["cu_seqlens"],
+                                ssm_state_indices=indices, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound, out=out)
+
+    def outputs():
+        state.copy_(original)
+        call()
+        return out, state
+
+    return call, outputs
 
 
 def run_moonshot(module, inp, state: str, scale: float, lower_bound: float) -> Run:
@@ -274,12 +334,22 @@ def run_moonshot(module, inp, state: str, scale: float, lower_bound: float) -> R
 
 
 # --- peers: loading and versions
+@dataclasses.dataclass(frozen=True)
+class FlaHandle:
+    chunk: Callable  # fla.ops.kda.chunk_kda
+    recurrent: Optional[Callable]  # fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd, where it exists
+
+
 def load_fla():
     os.environ["FLA_FLASH_KDA"] = "0"  # fla's FlashKDA backend would otherwise take over chunk_kda
     import fla
     from fla.ops.kda import chunk_kda
 
-    return chunk_kda, getattr(fla, "__version__", None)
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        fused_recurrent_kda_fwd = None
+    return FlaHandle(chunk_kda, fused_recurrent_kda_fwd), getattr(fla, "__version__", None)
 
 
 def load_moonshot(path: str):
@@ -353,9 +423,16 @@ def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> d
     row = empty_row(case)
     inp = make_inputs(case, "cuda")
     row["plan"] = flash_kda.plan(inp["q"], inp["cu_seqlens"])._asdict()  # how our call ran (V and time split)
-    runs = {"flash_kda": run_flash_kda(inp, case.state, scale, lower_bound)}
-    if "fla" in peers:
-        runs["fla"] = run_fla(peers["fla"], inp, scale, lower_bound)
+    runs = {"flash_kda": run_flash_kda(inp, case.state, scale, lower_bound, case.inplace)}
+    if "fla" in peers and case.fla_recurrent:
+        if peers["fla"].recurrent is None or inp["init"] is None:
+            row["notes"].append(f"fla's fused_recurrent_kda_fwd not measured on {case.name}: "
+                                f"{'not in this fla' if inp['init'] is not None else 'its in-place state needs one'}")
+        else:
+            runs["fla"] = run_fla_recurrent(peers["fla"].recurrent, inp, scale, lower_bound)
+            row["notes"].append(f"{case.name}: fla column = fused_recurrent_kda_fwd, fp32 state in place")
+    elif "fla" in peers:
+        runs["fla"] = run_fla(peers["fla"].chunk, inp, scale, lower_bound)
     if "moonshot" in peers:
         runs["moonshot"] = run_moonshot(peers["moonshot"], inp, case.state, scale, lower_bound)
     with torch.inference_mode():

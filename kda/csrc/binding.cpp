@@ -227,6 +227,7 @@ kda::FwdParams fwd_params(const FwdTensors& t, const FwdShape& shape, const kda:
   p.lead_chunks = plan.lead_chunks;
   p.tail_ctas = plan.tail_ctas;
   p.longest_first = plan.longest_first;
+  p.decode = plan.decode;
   return p;
 }
 
@@ -242,16 +243,16 @@ std::string plan_repr(const kda::Plan& p) {
   return "Plan(v_split=" + std::to_string(p.v_split) + ", scan_v_split=" + std::to_string(p.scan_v_split) +
          ", segment_chunks=" + std::to_string(p.segment_chunks) + ", single_pass=" + flag(p.single_pass) +
          ", lead_chunks=" + std::to_string(p.lead_chunks) + ", tail_ctas=" + std::to_string(p.tail_ctas) +
-         ", longest_first=" + flag(p.longest_first) + ")";
+         ", longest_first=" + flag(p.longest_first) + ", decode=" + flag(p.decode) + ")";
 }
 
 // The fields in order, as a NamedTuple has them (tuple(plan), plan._asdict()).
 py::tuple plan_fields(const kda::Plan& p) {
   return py::make_tuple(p.v_split, p.scan_v_split, p.segment_chunks, p.single_pass, p.lead_chunks, p.tail_ctas,
-                        p.longest_first);
+                        p.longest_first, p.decode);
 }
-constexpr const char* kPlanFieldNames[] = {"v_split",     "scan_v_split", "segment_chunks", "single_pass",
-                                           "lead_chunks", "tail_ctas",    "longest_first"};
+constexpr const char* kPlanFieldNames[] = {"v_split",   "scan_v_split",  "segment_chunks", "single_pass", "lead_chunks",
+                                           "tail_ctas", "longest_first", "decode"};
 
 void elementwise(kda::Elementwise op, std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t stream) {
   py::gil_scoped_release release;
@@ -271,9 +272,9 @@ PYBIND11_MODULE(_C, m) {
         "Name, compute capability, SM count, L2 size, driver and runtime versions of a CUDA device.");
   m.def("workspace_bytes", &kda::workspace_bytes, py::arg("total_tokens"), py::arg("num_seqs"), py::arg("heads"),
         py::arg("segment_chunks") = 0, py::arg("single_pass") = false, py::arg("tail_items") = 0,
-        py::arg("longest_first") = false,
+        py::arg("longest_first") = false, py::arg("decode") = false,
         "Bytes of workspace one forward call needs under a plan (its time split, the overlap's tail items, the "
-        "longest-first order, or none for the single pass).");
+        "longest-first order, or none for the single pass and the decode kernel).");
   m.def("overlap_tail_items", &kda::overlap_tail_items, py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"),
         py::arg("lead_chunks"), "Records the overlap's tail kernel prepares (each with a ready flag); 0 without one.");
   py::class_<kda::Plan>(m, "Plan",
@@ -281,13 +282,13 @@ PYBIND11_MODULE(_C, m) {
                         "by value. No choice changes a result bit except the time split, which the numerics twin "
                         "re-enacts.")
       .def(py::init([](int v_split, int scan_v_split, int segment_chunks, bool single_pass, int lead_chunks,
-                       int tail_ctas, bool longest_first) {
+                       int tail_ctas, bool longest_first, bool decode) {
              return kda::Plan{v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, tail_ctas,
-                              longest_first};
+                              longest_first, decode};
            }),
            py::arg("v_split") = 1, py::arg("scan_v_split") = 1, py::arg("segment_chunks") = 0,
            py::arg("single_pass") = false, py::arg("lead_chunks") = -1, py::arg("tail_ctas") = 0,
-           py::arg("longest_first") = false)
+           py::arg("longest_first") = false, py::arg("decode") = false)
       .def_readonly("v_split", &kda::Plan::v_split,
                     "recurrence CTAs per (segment, head), each owning 128 / v_split state rows")
       .def_readonly("scan_v_split", &kda::Plan::scan_v_split, "scan-pass CTAs per (scanned segment, head, map)")
@@ -301,6 +302,8 @@ PYBIND11_MODULE(_C, m) {
                     "the overlap: CTAs of its tail kernel (one per SM the recurrence leaves free)")
       .def_readonly("longest_first", &kda::Plan::longest_first,
                     "varlen: the finishing pass starts the longest sequences first")
+      .def_readonly("decode", &kda::Plan::decode,
+                    "the decode kernel: short sequences token by token, the state in fp32 registers")
       .def("__repr__", &plan_repr)
       .def("__eq__", [](const kda::Plan& a, const kda::Plan& b) { return a == b; }, py::is_operator())
       .def("__ne__", [](const kda::Plan& a, const kda::Plan& b) { return a != b; }, py::is_operator())
@@ -321,16 +324,16 @@ PYBIND11_MODULE(_C, m) {
           "_replace",
           [](const kda::Plan& p, std::optional<int> v_split, std::optional<int> scan_v_split,
              std::optional<int> segment_chunks, std::optional<bool> single_pass, std::optional<int> lead_chunks,
-             std::optional<int> tail_ctas, std::optional<bool> longest_first) {
+             std::optional<int> tail_ctas, std::optional<bool> longest_first, std::optional<bool> decode) {
             return kda::Plan{v_split.value_or(p.v_split),         scan_v_split.value_or(p.scan_v_split),
                              segment_chunks.value_or(p.segment_chunks), single_pass.value_or(p.single_pass),
                              lead_chunks.value_or(p.lead_chunks), tail_ctas.value_or(p.tail_ctas),
-                             longest_first.value_or(p.longest_first)};
+                             longest_first.value_or(p.longest_first), decode.value_or(p.decode)};
           },
           py::kw_only(), py::arg("v_split") = py::none(), py::arg("scan_v_split") = py::none(),
           py::arg("segment_chunks") = py::none(), py::arg("single_pass") = py::none(),
           py::arg("lead_chunks") = py::none(), py::arg("tail_ctas") = py::none(),
-          py::arg("longest_first") = py::none(), "A copy with the given fields changed.");
+          py::arg("longest_first") = py::none(), py::arg("decode") = py::none(), "A copy with the given fields changed.");
   m.attr("STATUS_CLEAR") = kda::kStatusClear;
   m.def("status_word_create", &kda::status_word_create, py::arg("device"),
         "Allocates and clears CUDA device `device`'s error word (outside any memory pool); returns its address.");
@@ -354,19 +357,20 @@ PYBIND11_MODULE(_C, m) {
       "choose_plan",
       [](int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
          std::optional<int> v_split, std::optional<int> scan_v_split, std::optional<int> segment_chunks,
-         std::optional<bool> single_pass, std::optional<int> lead_chunks) {
-        const kda::PlanOverrides forced{v_split, scan_v_split, segment_chunks, single_pass, lead_chunks};
+         std::optional<bool> single_pass, std::optional<int> lead_chunks, std::optional<bool> decode) {
+        const kda::PlanOverrides forced{v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, decode};
         return kda::choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced);
       },
       py::arg("total_tokens"), py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("varlen"),
       py::arg("sm_count"), py::kw_only(), py::arg("v_split") = py::none(), py::arg("scan_v_split") = py::none(),
       py::arg("segment_chunks") = py::none(), py::arg("single_pass") = py::none(),
-      py::arg("lead_chunks") = py::none(),
+      py::arg("lead_chunks") = py::none(), py::arg("decode") = py::none(),
       "The Plan fwd uses for these shapes on a GPU with sm_count SMs. Each keyword forces one choice (None: the "
       "plan's own): v_split (1, 2, 4, 8; the scan's too unless scan_v_split is given), scan_v_split, "
       "segment_chunks (0: no time split; L: segments of L chunks), single_pass (True / False), lead_chunks (L >= "
-      "0: the overlap with that lead on a fixed-length batch; -1: none). A forced V split runs two stages and "
-      "anything forced runs without the overlap, unless single_pass or lead_chunks say otherwise.");
+      "0: the overlap with that lead on a fixed-length batch; -1: none), decode (True: the decode kernel, whatever the "
+      "rest says; False: a chunked plan). A forced V split runs two stages and anything forced runs without the "
+      "overlap, unless single_pass or lead_chunks say otherwise; anything forced but decode runs a chunked plan.");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),

@@ -1,6 +1,7 @@
 // The KDA forward: the preparation kernel fills the workspace; with a time split the scan pass and the
 // composition turn it into every segment's start state; then the recurrence's finishing pass runs. Under a
-// single-pass plan one kernel does both stages and the workspace holds nothing; under an overlap plan the
+// single-pass plan one kernel does both stages and the workspace holds nothing; under a decode plan one kernel
+// steps token by token with the state in registers (decode.cu), no workspace either; under an overlap plan the
 // preparation kernel does a lead of chunks and its tail kernel the rest beside the finishing pass (both launched
 // as programmatic dependents, kda_params.h "The overlap"). All are enqueued on the caller's stream; nothing here
 // synchronises or allocates.
@@ -22,13 +23,17 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
   const bool overlap = p.lead_chunks >= 0;
   const int64_t tail_items = overlap_tail_items(p.seqlen, p.num_seqs, p.heads, p.lead_chunks);
   const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks, p.single_pass,
-                                        tail_items, p.longest_first);
+                                        tail_items, p.longest_first, p.decode);
   if (p.workspace_bytes < needed) {
     throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
                                 " bytes, the call needs " + std::to_string(needed));
   }
   launch_boundary_check(p, stream);
   if (p.num_seqs == 0 || p.heads == 0) return;
+  if (p.decode) {
+    launch_decode(p, stream);
+    return;
+  }
   if (p.single_pass) {
     launch_single_pass(p, stream);
     return;

@@ -149,10 +149,11 @@ constexpr int kLongestFirstMaxSeqs = 256;  // one CTA ranks them (kda_checks.cu)
 
 // Workspace: the chunk records, then one of (by plan; they exclude each other): the time split's window table and
 // per-(window, head) storage; the overlap's ready flags of the tail items; the longest-first order. Nothing under
-// a single-pass plan (its records never leave shared memory).
+// a single-pass plan (its records never leave shared memory) or a decode plan (no records at all).
 constexpr size_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t heads, int segment_chunks,
-                                 bool single_pass = false, int64_t tail_items = 0, bool longest_first = false) {
-  if (single_pass) return 0;
+                                 bool single_pass = false, int64_t tail_items = 0, bool longest_first = false,
+                                 bool decode = false) {
+  if (single_pass || decode) return 0;
   size_t bytes = records_bytes(total_tokens, num_seqs, heads) + static_cast<size_t>(tail_items) * sizeof(uint32_t);
   if (longest_first) bytes += static_cast<size_t>(num_seqs) * sizeof(int32_t);
   if (segment_chunks > 0) {

@@ -42,36 +42,47 @@ struct Plan {
   int lead_chunks = -1;        // the overlap (kda_params.h): chunks prepared before the recurrence starts; -1: none
   int tail_ctas = 0;           // the overlap: tail-kernel CTAs, one per SM the recurrence leaves free
   bool longest_first = false;  // varlen: the finishing pass runs the longest sequences first (kda_params.h)
+  bool decode = false;         // the decode kernel: token by token, state in registers (decode.cu); nothing else
 
   bool operator==(const Plan& o) const {
     return v_split == o.v_split && scan_v_split == o.scan_v_split && segment_chunks == o.segment_chunks &&
            single_pass == o.single_pass && lead_chunks == o.lead_chunks && tail_ctas == o.tail_ctas &&
-           longest_first == o.longest_first;
+           longest_first == o.longest_first && decode == o.decode;
   }
   bool operator!=(const Plan& o) const { return !(*this == o); }
 };
 
 // What a caller forces on the plan (flash_kda.testing.force_plan); an empty field leaves that choice to
 // choose_plan. Forcing a V split forces two stages, and forcing anything keeps the overlap out, unless
-// single_pass or lead_chunks say otherwise.
+// single_pass or lead_chunks say otherwise. Forcing anything but decode keeps the decode kernel out; decode = true
+// runs it whatever the other fields say (the Python side refuses such combinations).
 struct PlanOverrides {
   std::optional<int> v_split;         // 1, 2, 4 or 8 (the scan's V split too, unless scan_v_split is given)
   std::optional<int> scan_v_split;    // 1, 2, 4 or 8
   std::optional<int> segment_chunks;  // 0: no time split; L > 0: segments of L chunks, with V splits for them
   std::optional<bool> single_pass;    // true: the single pass (v_split 1, no time split); false: two stages
   std::optional<int> lead_chunks;     // L >= 0: the overlap with a lead of L chunks (fixed-length batches); -1: none
+  std::optional<bool> decode;         // true: the decode kernel; false: a chunked plan
 };
 
 // The plan fields of a call's parameters (the binding fills them from a Plan).
 inline Plan plan_of(const FwdParams& p) {
   return Plan{p.v_split, p.scan_v_split, p.segment_chunks, p.single_pass, p.lead_chunks, p.tail_ctas,
-              p.longest_first};
+              p.longest_first, p.decode};
 }
 
 // Why `plan` cannot run a call of `num_seqs` sequences (`varlen`: with cu_seqlens), or "" when it can: the V
 // splits are 1, 2, 4 or 8, and the single pass, the overlap and longest first each exclude a V split and the
-// time split (and each other). fwd (kda_fwd.cu) refuses a call whose plan fails this.
+// time split (and each other); the decode kernel excludes every other choice. fwd (kda_fwd.cu) refuses a call whose
+// plan fails this.
 inline std::string plan_error(const Plan& plan, bool varlen, int64_t num_seqs) {
+  if (plan.decode && plan != Plan{1, 1, 0, false, -1, 0, false, true}) {
+    return "flash_kda: the decode plan runs no V split, time split, single pass, overlap or longest first, got "
+           "v_split " + std::to_string(plan.v_split) + ", scan_v_split " + std::to_string(plan.scan_v_split) +
+           ", segment_chunks " + std::to_string(plan.segment_chunks) + ", single_pass " +
+           std::to_string(plan.single_pass) + ", lead_chunks " + std::to_string(plan.lead_chunks) + ", tail_ctas " +
+           std::to_string(plan.tail_ctas) + ", longest_first " + std::to_string(plan.longest_first);
+  }
   const auto valid_split = [](int v) { return v == 1 || v == 2 || v == 4 || v == 8; };
   if (!valid_split(plan.v_split) || !valid_split(plan.scan_v_split)) {
     return "flash_kda: v_split and scan_v_split must be 1, 2, 4 or 8, got " + std::to_string(plan.v_split) +
@@ -261,11 +272,25 @@ inline bool longest_first_pays(bool varlen, const Plan& plan, int64_t num_seqs, 
          num_seqs <= kLongestFirstMaxSeqs && num_seqs * heads > sm_count;
 }
 
+// The decode kernel (decode.cu, docs/DESIGN.md "The decode kernel") where every sequence is known to be short: a
+// fixed length of at most kDecodeMaxTokens, or a varlen batch of at most kDecodeMaxTokens tokens per sequence on
+// average. The host cannot read cu_seqlens (that would synchronise), so a long sequence hidden in such a batch
+// (one of 1,000 tokens among 63 empty ones) also runs token by token: correct, but its steps are serial, a few
+// tenths of a µs per token where a chunked step takes ≈ 0.75 µs per 16 tokens.
+constexpr int64_t kDecodeMaxTokens = 16;
+inline bool decode_pays(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, bool varlen) {
+  return varlen ? total_tokens <= kDecodeMaxTokens * num_seqs : seqlen <= kDecodeMaxTokens;
+}
+
 // The plan for a call, with whatever `forced` fixes.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
                         const PlanOverrides& forced = {}) {
   const bool split_forced = forced.v_split.has_value() || forced.scan_v_split.has_value();
   const bool any_forced = split_forced || forced.segment_chunks.has_value() || forced.single_pass.has_value();
+  const bool chunked_forced = any_forced || forced.lead_chunks.has_value();
+  if (forced.decode.value_or(!chunked_forced && decode_pays(total_tokens, seqlen, num_seqs, varlen))) {
+    return Plan{1, 1, 0, false, -1, 0, false, true};
+  }
   // Unless given: a forced V split runs two stages, and anything forced runs without the overlap.
   std::optional<bool> single = forced.single_pass;
   if (!single.has_value() && split_forced) single = false;

@@ -20,6 +20,13 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
   SMs the recurrence leaves free, behind ready flags), with leads of 0, 1, 2 and 5 chunks in turn, so that
   records from both preparation kernels meet in every kind of sequence; the plan picks it for T8192 H96-like
   shapes (``fixed_h96`` runs it at T >= 1024).
+- ``decode``: sequences of at most 16 tokens, which the plan runs on the decode kernel (token by token, the state
+  in fp32 registers): fixed T in DECODE_T x H {1, 4, 32}, short varlen batches (DECODE_SEQLENS, empty sequences
+  among them), a few batched ones, in place, int32 cu_seqlens and mixed state dtypes, every state configuration;
+  held to the tighter short-sequence bounds of test_matrix.py (DECODE_*_REL_L2).
+- ``forced_decode``: the cases of the slices above except smoke and long_context again under
+  ``force_plan(decode=True)`` (sequences of more than DECODE_FORCED_MAX_TOKENS tokens left out: the twin steps
+  token by token), so the decode kernel runs long, ragged and adversarial sequences too.
 
 A state configuration is (state_io, state_dtype): state_io in STATE_IO, state dtype bf16 or fp32 ("none" for
 no_state, where no state tensor exists so the dtype has no meaning and is not repeated).
@@ -46,9 +53,14 @@ VARLEN_SEQLENS = (
 )
 BATCHED_BT = ((2, 64), (2, 1024), (4, 256), (8, 128))
 VARLEN_H = (1, 4, 96)
+DECODE_T = (1, 2, 3, 5, 8, 15, 16)
+DECODE_H = (1, 4, 32)
+DECODE_SEQLENS = ((1,), (1, 1, 1, 1), (4,) * 8, (1, 2, 3, 5, 8, 15), (0, 3, 0, 16), (16,) * 3)
+DECODE_BATCHED_BT = ((8, 1), (4, 3), (3, 16))
+DECODE_FORCED_MAX_TOKENS = 4096  # longest sequence of a forced_decode case
 SLICES = (
     "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
-    "forced_vsplit", "forced_tsplit", "forced_single_pass", "forced_overlap",
+    "forced_vsplit", "forced_tsplit", "forced_single_pass", "forced_overlap", "decode", "forced_decode",
 )  # fmt: skip
 FORCED_V_SPLITS = (1, 2, 4, 8)
 FORCED_SEGMENT_CHUNKS = (1, 2, 3, 5, 8)
@@ -87,6 +99,7 @@ class Case:
     segment_chunks: int = -1  # time split forced through flash_kda.testing.force_plan; -1: automatic
     single_pass: bool | None = None  # the single pass forced on (True) or off (False); None: automatic
     lead_chunks: int = -2  # the overlap forced with this lead (-1: off) through force_plan; -2: automatic
+    decode: bool | None = None  # the decode kernel forced on (True) or off (False); None: automatic
     final_dtype: str = ""  # final_state's dtype when it differs from state_dtype (fla: bf16 in, fp32 out)
     param_dtype: str = "fp32"  # A_log and dt_bias ("bf16" / "fp16": a model cast with layer.to(bf16))
     seed: int = -1  # -1: derived from the id
@@ -121,6 +134,11 @@ class Case:
         return self.state_io in ("in+out", "out_only")
 
     @property
+    def longest(self) -> int:
+        """Tokens of the longest sequence."""
+        return max(self.seqlens, default=0) if self.varlen else self.T
+
+    @property
     def tokens(self) -> int:
         return self.B * self.T
 
@@ -148,8 +166,8 @@ class Case:
             extras.append(f"final={self.final_dtype}")
         if self.param_dtype != "fp32":
             extras.append(f"params={self.param_dtype}")
-        if self.slice in ("smoke", "adversarial"):  # their shapes recur in other slices
-            extras.insert(0, "adv" if self.slice == "adversarial" else "smoke")
+        if self.slice in ("smoke", "adversarial", "decode"):  # their shapes recur in other slices
+            extras.insert(0, {"adversarial": "adv", "smoke": "smoke", "decode": "short"}[self.slice])
         if self.v_split:
             extras.insert(0, f"vsplit{self.v_split}")
         if self.segment_chunks >= 0:
@@ -158,6 +176,8 @@ class Case:
             extras.insert(0, "single" if self.single_pass else "two_stage")
         if self.lead_chunks >= -1:
             extras.insert(0, f"lead{self.lead_chunks}")
+        if self.decode is not None:
+            extras.insert(0, "decode" if self.decode else "chunked")
         prefix = "".join(f"{x}_" for x in extras)
         return f"{prefix}{shape}_state_dtype={self.state_dtype}[{self.state_io}]"
 
@@ -221,8 +241,9 @@ def _adversarial() -> list[Case]:
         for io, dt in _state_configs():
             cases.append(Case("adversarial", H=4, seqlens=seqlens, state_io=io, state_dtype=dt))
     # Longest first (more (sequence, head) pairs than SMs) with empty sequences and ties among the ranks.
+    # (82 tokens over 6 sequences would pick the decode kernel: kept on the chunked plans.)
     for dt in STATE_DTYPES:
-        cases.append(Case("adversarial", H=96, seqlens=(0, 16, 0, 33, 0, 33), state_dtype=dt))
+        cases.append(Case("adversarial", H=96, seqlens=(0, 16, 0, 33, 0, 33), state_dtype=dt, decode=False))
     for b in (1, 2):
         for io, dt in _state_configs():
             cases.append(Case("adversarial", H=4, B=b, T=0, state_io=io, state_dtype=dt))
@@ -286,6 +307,45 @@ def _forced_overlap(base: list[Case]) -> list[Case]:
     return list(cases.values())
 
 
+def _decode() -> list[Case]:
+    cases = [
+        Case("decode", H=h, T=t, state_io=io, state_dtype=dt)
+        for h in DECODE_H
+        for t in DECODE_T
+        for io, dt in _state_configs()
+    ]
+    cases += [
+        Case("decode", H=h, seqlens=s, state_io=io, state_dtype=dt)
+        for s in DECODE_SEQLENS
+        for h in DECODE_H
+        for io, dt in _state_configs()
+    ]
+    cases += [
+        Case("decode", H=4, B=b, T=t, state_io=io, state_dtype=dt)
+        for b, t in DECODE_BATCHED_BT
+        for io, dt in _state_configs()
+    ]
+    for dt in STATE_DTYPES:
+        cases.append(Case("decode", H=32, B=8, T=1, inplace_state=True, state_dtype=dt))
+        cases.append(Case("decode", H=4, seqlens=(3, 0, 16, 1), inplace_state=True, state_dtype=dt))
+        cases.append(Case("decode", H=4, seqlens=(1, 2, 3, 5, 8, 15), cu_seqlens_int32=True, state_dtype=dt))
+    for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
+        for params in ("fp32", "bf16", "fp16"):
+            cases.append(Case("decode", H=4, T=5, state_dtype=init, final_dtype=final, param_dtype=params))
+    return cases
+
+
+def _forced_decode(base: list[Case]) -> list[Case]:
+    """The base cases again under the decode kernel, sequences of at most DECODE_FORCED_MAX_TOKENS tokens (a case
+    that reads like another once it loses its prefix runs once)."""
+    cases: dict[str, Case] = {}
+    for c in base:
+        if c.longest <= DECODE_FORCED_MAX_TOKENS:
+            forced = dataclasses.replace(c, slice="forced_decode", decode=True)
+            cases.setdefault(forced.id, forced)
+    return list(cases.values())
+
+
 def all_cases() -> list[Case]:
     cases = [Case("smoke", H=4, T=97, seed=0)]
     base = _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
@@ -294,6 +354,7 @@ def all_cases() -> list[Case]:
     cases += base + _long_context() + adversarial + _forced_vsplit(base + adversarial)
     cases += _forced_tsplit(base + adversarial) + _forced_single_pass(base + adversarial)
     cases += _forced_overlap(base + adversarial)
+    cases += _decode() + _forced_decode(base + adversarial)
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases

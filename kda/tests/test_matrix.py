@@ -2,12 +2,13 @@
 
 Every case (matrix.py; ``--kda-slice`` picks slices):
 1. builds its inputs on the GPU from its seed, NaN-poisons ``out`` and ``final_state``;
-2. calls ``flash_kda.fwd`` (under ``flash_kda.testing.force_plan`` when the case forces a V or time split);
-3. asserts ``torch.equal`` with ``numerics.twin_forward`` (re-enacting the plan's time split) on out and on
-   final_state (cast to the state dtype);
+2. calls ``flash_kda.fwd`` (under ``flash_kda.testing.force_plan`` when the case forces a part of the plan);
+3. asserts ``torch.equal`` with ``numerics.twin_forward`` (re-enacting the plan's time split, or the decode
+   kernel's token-by-token arithmetic) on out and on final_state (cast to the state dtype);
 4. asserts the inputs are unchanged (bitwise, against clones taken before the call);
 5. compares with the float64 ground truth ``reference.reference_chunked`` (on the GPU): relative L2 of out and
-   final_state, and the worst relative L2 over windows of WINDOW tokens of out (per sequence).
+   final_state, and the worst relative L2 over windows of WINDOW tokens of out (per sequence); the decode slice
+   against the tighter short-sequence bounds DECODE_*_REL_L2.
 All checks run before the test fails, so one failure report shows every problem of the case.
 """
 
@@ -33,6 +34,12 @@ OUT_REL_L2 = 1e-2  # MEASURED: worst 5.6e-3
 STATE_REL_L2 = 7.5e-3  # MEASURED: worst 3.6e-3
 WINDOW = 256  # tokens per window (windows never cross sequence boundaries)
 WINDOW_REL_L2 = 1.2e-2  # MEASURED: worst 5.8e-3
+# The decode slice (sequences of at most 16 tokens on the decode kernel): the short-sequence accuracy that long
+# sequences get from the chunked kernels (out ≈ 4.0e-3, state 2.8-3.4e-3, docs/NUMERICS.md), asked for in the
+# issue that added the kernel. Its fp32 state never passes through bf16 operands, so what remains is the rounding
+# of out (and of a bf16 final state) to bf16: ≈ 1.7e-3 for out (docs/NUMERICS.md, "The decode kernel").
+DECODE_OUT_REL_L2 = 4.5e-3
+DECODE_STATE_REL_L2 = {torch.bfloat16: 3.5e-3, torch.float32: 3.0e-3}  # by final_state's dtype
 _PROGRESS_TOKEN_HEADS = 1 << 20  # print stage timings for cases at least this big (long_context)
 
 
@@ -74,13 +81,15 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     forced_segments = case.segment_chunks if case.segment_chunks >= 0 else None
     forced_lead = case.lead_chunks if case.lead_chunks >= -1 else None
     with testing.force_plan(v_split=case.v_split, segment_chunks=forced_segments, single_pass=case.single_pass,
-                            lead_chunks=forced_lead):
+                            lead_chunks=forced_lead, decode=case.decode):
         flash_kda.fwd(**_fwd_args(x))
         plan = flash_kda.plan(x["q"], x["cu_seqlens"])
     stage(f"flash_kda.fwd {plan}")
 
     failures: list[str] = []
-    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks)
+    if case.slice in ("decode", "forced_decode") and not plan.decode:
+        failures.append(f"the {case.slice} slice must run the decode kernel, got {plan}")
+    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode)
     stage("numerics.twin_forward")
     if not torch.equal(x["out"], twin_out):
         failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")
@@ -98,8 +107,10 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     ref_out, ref_state = reference.reference_chunked(**args)
     stage("reference.reference_chunked (float64)")
     report = compare.compare(x["out"], ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
+    short = case.slice == "decode"  # the short-sequence bounds
     try:
-        report.check(rel_l2=OUT_REL_L2, window_rel_l2=WINDOW_REL_L2, name="out vs float64")
+        report.check(rel_l2=DECODE_OUT_REL_L2 if short else OUT_REL_L2, window_rel_l2=WINDOW_REL_L2,
+                     name="out vs float64")
     except AssertionError as e:
         failures.append(str(e))
     record("out_rel_l2", report.rel_l2)
@@ -110,7 +121,8 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
         record(f"state_{case.state_dtype}_rel_l2", state_report.rel_l2)
         line += f" state rel_l2={state_report.rel_l2:.3e}"
         try:
-            state_report.check(rel_l2=STATE_REL_L2, name="final_state vs float64")
+            bound = DECODE_STATE_REL_L2[x["final_state"].dtype] if short else STATE_REL_L2
+            state_report.check(rel_l2=bound, name="final_state vs float64")
         except AssertionError as e:
             failures.append(str(e))
     print(line, flush=True)  # the measured errors, for setting the MEASURED bounds from the logs

@@ -4,9 +4,10 @@ A child Python process runs small cases that reach the kernel's edge paths (a pa
 sequences, both state dtypes, no state, int32 cu_seqlens) and, with forced plans, the 8-warp CTAs whose
 products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1), the single pass (a
 sequence of more than one block of 8 chunks, empty ones, a partial chunk) and the overlap (lead and tail
-records, a partial chunk), then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
+records, a partial chunk) and the decode kernel (one and 16 tokens, empty sequences, both state dtypes, in place,
+and forced over longer sequences), then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
 0, negative, a last one short of T) under every plan kind that takes cu_seqlens (two stages, longest first, the
-single pass, the time split with and without a V split), each naming its first bad index through
+single pass, the time split with and without a V split, the decode kernel), each naming its first bad index through
 ``flash_kda.last_error``, under each tool; the test asserts exit
 code 0 and the tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
 0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
@@ -38,13 +39,14 @@ CHILD = textwrap.dedent(
     import contextlib, torch, matrix, flash_kda
     from flash_kda import testing
     automatic = contextlib.nullcontext
+    chunked = lambda: testing.force_plan(decode=False)  # short batches that would otherwise run the decode kernel
     cases = [
         (matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="bf16"), automatic),
         (matrix.Case("fixed_h1_h4", H=2, T=37, state_dtype="fp32"), automatic),
-        (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="bf16"), automatic),
+        (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="bf16"), chunked),
         (matrix.Case("adversarial", H=2, seqlens=(0, 16, 0, 33, 0), state_dtype="fp32", cu_seqlens_int32=True),
-         automatic),
-        (matrix.Case("adversarial", H=2, seqlens=(5, 17), state_io="no_state"), automatic),
+         chunked),
+        (matrix.Case("adversarial", H=2, seqlens=(5, 17), state_io="no_state"), chunked),
         (matrix.Case("batched", H=1, B=2, T=20, state_io="out_only", state_dtype="fp32"), automatic),
         # 8-warp CTAs (wgmma): the finishing pass unsplit, short and with more chunks than ring stages (the
         # producer warp refills stages the consumers released), then a time split whose scan runs them too.
@@ -57,6 +59,17 @@ CHILD = textwrap.dedent(
          lambda: testing.force_plan(single_pass=True)),
         # The overlap: records of the lead kernel and of the tail kernel (behind ready flags), a partial chunk.
         (matrix.Case("batched", H=2, B=2, T=90, state_dtype="fp32"), lambda: testing.force_plan(lead_chunks=2)),
+        # The decode kernel (chosen for sequences of at most 16 tokens): one token, 16, empty sequences, both state
+        # dtypes, int32 cu_seqlens, in place, mixed dtypes, no state, and a forced run over longer sequences.
+        (matrix.Case("decode", H=2, B=3, T=1, state_dtype="bf16"), automatic),
+        (matrix.Case("decode", H=2, B=3, T=16, state_dtype="fp32"), automatic),
+        (matrix.Case("decode", H=2, seqlens=(0, 3, 0, 16, 1), state_dtype="bf16"), automatic),
+        (matrix.Case("decode", H=2, seqlens=(0, 3, 0, 16, 1), state_dtype="fp32", cu_seqlens_int32=True), automatic),
+        (matrix.Case("decode", H=2, seqlens=(2, 0, 5), state_dtype="fp32", inplace_state=True), automatic),
+        (matrix.Case("decode", H=2, T=3, state_dtype="bf16", final_dtype="fp32"), automatic),
+        (matrix.Case("decode", H=2, seqlens=(4, 0, 1), state_io="no_state"), automatic),
+        (matrix.Case("adversarial", H=2, seqlens=(0, 40, 0, 17), state_dtype="bf16"),
+         lambda: testing.force_plan(decode=True)),
     ]
     names = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound",
              "initial_state", "final_state", "cu_seqlens")
@@ -85,6 +98,7 @@ CHILD = textwrap.dedent(
         ("single_pass", lambda: testing.force_plan(single_pass=True), 4),
         ("time_split", lambda: testing.force_plan(v_split=1, segment_chunks=2, scan_v_split=1), 4),
         ("time_split_vsplit", lambda: testing.force_plan(v_split=4, segment_chunks=3), 4),
+        ("decode", lambda: testing.force_plan(decode=True), 4),
     ]
     for cu, first_bad in malformed:
         for plan_name, plan, H in plans:
@@ -104,7 +118,7 @@ CHILD = textwrap.dedent(
             print("ran malformed", cu, plan_name, flush=True)
     """
 )
-MALFORMED_RUNS = 5 * 5  # malformed boundaries x plan kinds in CHILD
+MALFORMED_RUNS = 5 * 6  # malformed boundaries x plan kinds in CHILD
 
 
 def find_sanitizer() -> str | None:

@@ -742,3 +742,106 @@ def test_well_formed_leaves_the_unusual_to_the_ordered_checks(changes):
     """Anything unusual or wrong is not accepted by the tight pass (so _validate names it, or accepts an int)."""
     x = {**inputs(), **changes}
     assert validation.well_formed(*_args(x)) is None
+
+
+# --- the decode kernel's plan -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, expected",
+    [((128, 1, 128, 32, False), True), ((512, 1, 512, 8, False), True), ((1024, 16, 64, 32, False), True),
+     ((1088, 17, 64, 32, False), False), ((512, 512, 128, 32, True), True), ((2048, 2048, 128, 32, True), True),
+     ((2049, 2049, 128, 32, True), False), ((0, 0, 4, 4, True), True), ((16, 16, 1, 96, False), True),
+     ((8192, 8192, 64, 32, True), False), ((8192, 8192, 1, 96, False), False)],
+    ids=str,
+)  # fmt: skip
+def test_plan_runs_short_sequences_on_the_decode_kernel(shape, expected):
+    """Fixed-length batches of at most 16 tokens and varlen batches of at most 16 tokens per sequence (mean: the
+    host never reads cu_seqlens) run the decode kernel, whose plan is nothing else and needs no workspace."""
+    from flash_kda import _ext, testing
+
+    total, T, N, H, varlen = shape
+    plan = testing.default_plan(total, T, N, H, varlen, 132)
+    assert plan.decode == expected
+    if expected:
+        assert plan == flash_kda.Plan(decode=True) == flash_kda.Plan(1, 1, 0, False, -1, 0, False, True)
+        B = 1 if varlen else N
+        assert planning.plan_for(B, total // B if B else 0, H, N, varlen, 132) == (plan, 0)
+        assert _ext.load().workspace_bytes(total, N, H, 0, False, 0, False, True) == 0
+
+
+def test_decode_plan_needs_no_workspace():
+    q = torch.zeros(128, 1, 32, 128, dtype=torch.bfloat16)
+    assert flash_kda.plan(q).decode
+    assert flash_kda.workspace_bytes(q) == 0
+    cu = torch.arange(0, 129 * 4, 4, dtype=torch.int64)  # 128 sequences of 4 tokens
+    q = torch.zeros(1, 512, 32, 128, dtype=torch.bfloat16)
+    assert flash_kda.plan(q, cu).decode
+    assert flash_kda.workspace_bytes(q, cu) == 0
+
+
+def test_force_plan_decode():
+    """decode=True runs the decode kernel on any shape; decode=False, or forcing any other part, a chunked plan."""
+    from flash_kda import _ext, testing
+
+    C = _ext.load()
+    decode = flash_kda.Plan(decode=True)
+    assert C.choose_plan(8192, 8192, 1, 96, False, 132, decode=True) == decode
+    assert not C.choose_plan(128, 1, 128, 32, False, 132, decode=False).decode
+    for kwargs in ({"v_split": 2}, {"segment_chunks": 0}, {"single_pass": False}, {"single_pass": True},
+                   {"lead_chunks": -1}, {"lead_chunks": 0}, {"scan_v_split": 2}):
+        assert not C.choose_plan(128, 1, 128, 32, False, 132, **kwargs).decode, kwargs
+    long_q = torch.zeros(1, 8192, 96, 128, dtype=torch.bfloat16)
+    short_q = torch.zeros(128, 1, 32, 128, dtype=torch.bfloat16)
+    with testing.force_plan(decode=True):
+        assert flash_kda.plan(long_q) == decode
+        assert flash_kda.workspace_bytes(long_q) == 0
+    with testing.force_plan(decode=False):
+        assert not flash_kda.plan(short_q).decode  # (the single pass here: no workspace either)
+    with testing.force_plan(v_split=2):
+        assert flash_kda.plan(short_q) == flash_kda.Plan(2, 2, 0, False)
+    with testing.force_plan(v_split=2, decode=False):
+        assert flash_kda.plan(short_q) == flash_kda.Plan(2, 2, 0, False)
+    assert flash_kda.plan(short_q) == decode
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"v_split": 2}, {"scan_v_split": 2}, {"segment_chunks": 0}, {"single_pass": True}, {"single_pass": False},
+     {"lead_chunks": -1}, {"lead_chunks": 3}],
+    ids=str,
+)  # fmt: skip
+def test_force_plan_refuses_decode_with_other_choices(kwargs):
+    from flash_kda import testing
+
+    with pytest.raises(ValueError, match="decode=True runs the decode kernel alone"):
+        with testing.force_plan(decode=True, **kwargs):
+            pass
+
+
+@pytest.mark.parametrize("decode", [1, 0, "yes"])
+def test_force_plan_refuses_bad_decode(decode):
+    from flash_kda import testing
+
+    with pytest.raises(ValueError, match="decode must be None"):
+        with testing.force_plan(decode=decode):
+            pass
+
+
+def test_plan_type_has_the_decode_field():
+    """flash_kda.Plan behaves like a NamedTuple with the decode field last: repr, eq, hash, iter, _asdict,
+    _replace and pickling all see it."""
+    import pickle
+
+    plan = flash_kda.Plan(decode=True)
+    chunked = flash_kda.Plan()
+    assert plan.decode and not chunked.decode
+    assert repr(plan) == ("Plan(v_split=1, scan_v_split=1, segment_chunks=0, single_pass=False, lead_chunks=-1, "
+                          "tail_ctas=0, longest_first=False, decode=True)")
+    assert plan != chunked and hash(plan) != hash(chunked)
+    assert tuple(plan) == (1, 1, 0, False, -1, 0, False, True)
+    assert list(plan._asdict()) == ["v_split", "scan_v_split", "segment_chunks", "single_pass", "lead_chunks",
+                                    "tail_ctas", "longest_first", "decode"]
+    assert chunked._replace(decode=True) == plan and plan._replace(decode=False) == chunked
+    assert plan._replace(v_split=2).decode
+    assert pickle.loads(pickle.dumps(plan)) == plan

@@ -342,15 +342,24 @@ def _split_forward(prep: dict, start: torch.Tensor, offsets: list, counts: list,
 
 
 def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
-                 segment_chunks=None):
+                 segment_chunks=None, decode=None):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
-    ``segment_chunks``: the time split to re-enact; None takes the one ``flash_kda.fwd`` would run for these
-    inputs now (its plan, including a plan forced by ``flash_kda.testing.force_plan``)."""
+    ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode kernel
+    (``numerics_decode.decode_twin_forward``) instead of the chunked kernels. None takes the choice
+    ``flash_kda.fwd`` would make for these inputs now (its plan, including a plan forced by
+    ``flash_kda.testing.force_plan``)."""
     if q.device.type != "cuda":
         raise RuntimeError(f"twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
-    if segment_chunks is None:
-        segment_chunks = planning.plan(q, cu_seqlens).segment_chunks
+    if segment_chunks is None or decode is None:
+        run = planning.plan(q, cu_seqlens)
+        segment_chunks = run.segment_chunks if segment_chunks is None else segment_chunks
+        decode = run.decode if decode is None else decode
+    if decode:
+        from flash_kda import numerics_decode  # noqa: PLC0415 -- only the decode plan needs it
+
+        return numerics_decode.decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound,
+                                                   initial_state, cu_seqlens)
     return chunked_forward(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, kernel_arithmetic(),
         segment_chunks,

@@ -35,13 +35,15 @@ def __getattr__(name: str):
 
 class PlanOverrides(NamedTuple):
     """Choices forced on the plan (``kda::PlanOverrides``); None leaves a choice to the plan. Unless given, a forced
-    V split runs two stages and anything forced runs without the overlap."""
+    V split runs two stages, anything forced runs without the overlap, and anything forced but ``decode`` runs a
+    chunked plan."""
 
     v_split: Optional[int] = None  # 1, 2, 4 or 8 (the scan's V split too, unless scan_v_split is given)
     scan_v_split: Optional[int] = None  # 1, 2, 4 or 8
     segment_chunks: Optional[int] = None  # 0: no time split; L > 0: segments of L chunks
     single_pass: Optional[bool] = None  # True: the single pass; False: two stages
     lead_chunks: Optional[int] = None  # L >= 0: the overlap with a lead of L chunks; -1: no overlap
+    decode: Optional[bool] = None  # True: the decode kernel (token by token); False: a chunked plan
 
 
 # The choices forced in this thread / context (None: none); part of every plan-cache key.
@@ -76,7 +78,7 @@ def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
 
     Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
     a time split stores each segment's map, the overlap a ready flag per tail record, the single pass needs no
-    records at all), which depends on the device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for
+    records at all, nor does the decode kernel), which depends on the device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for
     its device copy.
     """
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
@@ -118,7 +120,7 @@ def plan_for(B: int, T: int, H: int, N: int, varlen: bool, sm_count: int) -> tup
     run = C.choose_plan(B * T, T, N, H, varlen, sm_count, **(overrides._asdict() if overrides else {}))
     tail_items = C.overlap_tail_items(T, N, H, run.lead_chunks)
     result = run, int(C.workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass, tail_items,
-                                        run.longest_first))
+                                        run.longest_first, run.decode))
     if len(_plans) >= _PLAN_CACHE_SIZE:
         _plans.clear()
     _plans[key] = result

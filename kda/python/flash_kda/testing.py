@@ -13,7 +13,9 @@ The single pass (one kernel that prepares and runs each (sequence, head)) comput
 stages; ``force_plan(single_pass=True)`` runs it on any shape, ``single_pass=False`` keeps it out. So does the
 overlap (the preparation's tail on the SMs the recurrence leaves free, while it runs):
 ``force_plan(lead_chunks=L)`` runs it on any fixed-length batch with a lead of L chunks, ``lead_chunks=-1`` keeps
-it out.
+it out. The decode kernel (short sequences token by token, the state in registers; its own twin,
+``numerics_decode``) runs on any shape under ``force_plan(decode=True)``, and ``decode=False`` keeps it out; forcing
+anything else keeps it out too.
 
 Not meant for production code. The forced plan holds in the thread (or asyncio context) that entered the block,
 through a context variable of ``flash_kda.planning``; it is part of every plan-cache key.
@@ -33,7 +35,8 @@ V_SPLITS = planning.V_SPLITS
 
 @contextlib.contextmanager
 def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_split: int = 0,
-               single_pass: Optional[bool] = None, lead_chunks: Optional[int] = None) -> Iterator[None]:
+               single_pass: Optional[bool] = None, lead_chunks: Optional[int] = None,
+               decode: Optional[bool] = None) -> Iterator[None]:
     """Within the block, ``fwd`` on CUDA runs the forced plan.
 
     | arg | type | meaning |
@@ -43,6 +46,7 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
     | scan_v_split | int | 1, 2, 4 or 8 CTAs per map in the time split's scan; 0: v_split if forced, else automatic |
     | single_pass | bool / None | True: the single pass (no time split, v_split 1); False: two stages; None: automatic (two stages whenever a V split is forced) |
     | lead_chunks | int / None | L >= 0: the overlap, lead of L chunks (fixed-length batches; v_split 1, no time split); -1: none; None: automatic (none when anything else is forced) |
+    | decode | bool / None | True: the decode kernel (nothing else may be forced); False: a chunked plan; None: automatic (sequences of at most 16 tokens, mean for varlen; a chunked plan when anything else is forced) |
     """
     for name, value in (("v_split", v_split), ("scan_v_split", scan_v_split)):
         if isinstance(value, bool) or not isinstance(value, int) or value not in (0, *V_SPLITS):
@@ -63,8 +67,15 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
                                                           or single_pass):
         raise ValueError("lead_chunks >= 0 runs v_split 1 without a time split or the single pass, got "
                          f"{v_split=}, {scan_v_split=}, {segment_chunks=}, {single_pass=}")
+    if decode is not None and not isinstance(decode, bool):
+        raise ValueError(f"decode must be None (automatic), True or False, got {decode=!r}")
+    if decode and (v_split or scan_v_split or segment_chunks is not None or single_pass is not None
+                   or lead_chunks is not None):
+        raise ValueError("decode=True runs the decode kernel alone (no V split, time split, single pass or overlap), "
+                         f"got {v_split=}, {scan_v_split=}, {segment_chunks=}, {single_pass=}, {lead_chunks=}")
     overrides = planning.PlanOverrides(v_split=v_split or None, scan_v_split=scan_v_split or None,
-                                       segment_chunks=segment_chunks, single_pass=single_pass, lead_chunks=lead_chunks)
+                                       segment_chunks=segment_chunks, single_pass=single_pass, lead_chunks=lead_chunks,
+                                       decode=decode)
     with planning.forced(overrides):
         yield
 

@@ -1,0 +1,208 @@
+// The decode kernel (plan.decode; docs/DESIGN.md, "The decode kernel"): short sequences, token by token, with the
+// state in fp32 registers. The arithmetic is docs/NUMERICS.md's "The decode kernel", which
+// flash_kda.numerics_decode.decode_twin_forward re-enacts bit for bit: every fp32 step is an explicitly rounded
+// intrinsic (no FMA contraction), every sum over the 128 channels is the lane partial ((p0+p1)+(p2+p3)) followed by
+// the halving tree over lanes (xor 16, 8, 4, 2, 1).
+//
+// Grid (N, H, kDecodeParts): CTA (n, h, part) owns state rows part*64 .. part*64+63 of sequence n, head h; 4 warps
+// of 16 rows. Lane l owns columns 4l..4l+3 of each of its warp's rows: 16 x 4 fp32 state registers. Every warp
+// prepares each token itself (k̂, scale·q̂, α for its 4 channels, β), so warps never wait for each other: no shared
+// memory, no barrier. Rows of different CTAs are disjoint and each CTA reads its rows before it writes them, so
+// initial_state may be final_state.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <type_traits>
+
+#include "kda/csrc/cuda_check.h"
+#include "kda/csrc/device_math.cuh"
+#include "kda/csrc/kda_launch.h"
+#include "kda/csrc/kda_params.h"
+#include "kda/csrc/prepare_chunk.cuh"
+#include "kda/csrc/state_slots.cuh"
+
+namespace kda {
+namespace {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * 32;
+constexpr int kDecodeRowsPerWarp = 16;
+constexpr int kDecodeRows = kDecodeWarps * kDecodeRowsPerWarp;  // state rows per CTA
+constexpr int kDecodeParts = kHeadDim / kDecodeRows;               // CTAs per (sequence, head)
+static_assert(kDecodeParts * kDecodeRows == kHeadDim, "the CTAs of a head cover its 128 rows");
+static_assert(prep::kChannelsPerLane == 4, "lane l owns channels 4l..4l+3");
+
+// Four consecutive state elements (columns 4l..4l+3 of one row) widened to fp32 / stored from fp32.
+__device__ __forceinline__ void load4(const float* src, float (&x)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(src);
+  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* src, float (&x)[4]) {
+  prep::unpack4(*reinterpret_cast<const uint2*>(src), x);
+}
+__device__ __forceinline__ void store4(float* dst, const float (&x)[4]) {
+  *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* dst, const float (&x)[4]) {
+  uint2 raw;
+  raw.x = pack_bf16x2(x[0], x[1]);
+  raw.y = pack_bf16x2(x[2], x[3]);
+  *reinterpret_cast<uint2*>(dst) = raw;
+}
+
+// The lane's leaf of a sum over 128 channels: ((a0·b0 + a1·b1) + (a2·b2 + a3·b3)), each product rounded.
+__device__ __forceinline__ float dot4(const float (&a)[4], const float (&b)[4]) {
+  return __fadd_rn(__fadd_rn(__fmul_rn(a[0], b[0]), __fmul_rn(a[1], b[1])),
+                   __fadd_rn(__fmul_rn(a[2], b[2]), __fmul_rn(a[3], b[3])));
+}
+
+// The whole-warp sum of one leaf per lane (the halving tree, as an xor butterfly: every lane gets it).
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// One level of the reduce-scatter of 16 sums (lane l holds a leaf of each): the lane keeps the half of its kCount
+// partial sums whose index bit matches its lane bit kOffset, and adds its partner's partial of the same sums.
+// Each sum is built from exactly the pairs of the butterfly, so it equals the halving tree bit for bit.
+template <int kCount, int kOffset>
+__device__ __forceinline__ void scatter_level(float (&v)[kDecodeRowsPerWarp], int lane) {
+  const bool upper = (lane & kOffset) != 0;
+#pragma unroll
+  for (int i = 0; i < kCount / 2; ++i) {
+    const float lo = v[i], hi = v[i + kCount / 2];
+    const float keep = upper ? hi : lo, send = upper ? lo : hi;
+    v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, kOffset));
+  }
+}
+// The 16 sums; lanes 2i and 2i + 1 end with sum i (lane bits 4, 3, 2, 1 pick index bits 3, 2, 1, 0).
+__device__ __forceinline__ float reduce_scatter_16(float (&v)[kDecodeRowsPerWarp], int lane) {
+  scatter_level<16, 16>(v, lane);
+  scatter_level<8, 8>(v, lane);
+  scatter_level<4, 4>(v, lane);
+  scatter_level<2, 2>(v, lane);
+  return __fadd_rn(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
+}
+
+// One token's raw inputs as this lane reads them: its 4 channels of q, k and g, β's logit and v of row lane / 2.
+struct RawToken {
+  uint2 q, k, g;
+  __nv_bfloat16 beta, v;
+};
+
+__device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, int h, int ch0, int v_row) {
+  const int64_t base = (t * p.heads + h) * kHeadDim;
+  RawToken r;
+  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + base + ch0);
+  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + base + ch0);
+  r.g = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + base + ch0);
+  r.beta = static_cast<const __nv_bfloat16*>(p.beta)[t * p.heads + h];
+  r.v = static_cast<const __nv_bfloat16*>(p.v)[base + v_row];
+  return r;
+}
+
+template <typename InitT, typename FinalT>
+__global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const FwdParams p) {
+  const int64_t n = blockIdx.x;
+  const int h = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = blockIdx.z * kDecodeRows + warp * kDecodeRowsPerWarp;  // this warp's first state row
+  const int ch0 = prep::kChannelsPerLane * lane;
+  const int my_row = lane >> 1;  // the row whose sums this lane ends with (reduce_scatter_16)
+
+  const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+  const int64_t slot = state_slot(p, n);
+  const size_t head_offset = (static_cast<size_t>(slot) * p.heads + h) * kHeadDim * kHeadDim;
+
+  // The state rows, fp32 (a bf16 state widened exactly), or zeros.
+  float s[kDecodeRowsPerWarp][4];
+  if (p.initial_state != nullptr && slot >= 0) {
+    const InitT* src = static_cast<const InitT*>(p.initial_state) + head_offset + static_cast<size_t>(row0) * kHeadDim + ch0;
+#pragma unroll
+    for (int i = 0; i < kDecodeRowsPerWarp; ++i) load4(src + i * kHeadDim, s[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kDecodeRowsPerWarp; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  }
+
+  // The gate's per-head parts (prepare_chunk.cuh's phase 1, the same instructions).
+  const float exp_a = ex2_approx(__fmul_rn(prep::load_param(p.A_log, p.A_log_type, h), kLog2e));
+  const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
+  float bias[4];
+  prep::load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, bias);
+
+  RawToken next{};
+  if (b.bos < b.eos) next = load_token(p, b.bos, h, ch0, row0 + my_row);
+  for (int64_t t = b.bos; t < b.eos; ++t) {
+    const RawToken cur = next;
+    if (t + 1 < b.eos) next = load_token(p, t + 1, h, ch0, row0 + my_row);  // in flight during this token
+
+    // The token's preparation: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale, α = 2^γ, β = sigmoid(logit).
+    float kh[4], qt[4], alpha[4], gf[4];
+    prep::unpack4(cur.k, kh);
+    prep::unpack4(cur.q, qt);
+    prep::unpack4(cur.g, gf);
+    const float inv_k = prep::inv_norm(warp_sum(prep::sum_squares_4(kh)));
+    const float inv_q = prep::inv_norm(warp_sum(prep::sum_squares_4(qt)));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      kh[c] = __fmul_rn(kh[c], inv_k);
+      qt[c] = __fmul_rn(__fmul_rn(qt[c], inv_q), p.scale);
+      const float x = __fmul_rn(__fadd_rn(gf[c], bias[c]), exp_a);
+      alpha[c] = ex2_approx(__fmul_rn(sigmoid_approx(x), gate_scale));
+    }
+    const float beta = sigmoid_approx(bf16_to_float(cur.beta));
+
+    // Decay, then r = v − S·k̂ per row (16 sums in one reduce-scatter), u = β·r on lanes 2i, 2i + 1.
+    float part[kDecodeRowsPerWarp];
+#pragma unroll
+    for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[i][c] = __fmul_rn(s[i][c], alpha[c]);
+      part[i] = dot4(s[i], kh);
+    }
+    const float u_mine = __fmul_rn(beta, __fsub_rn(bf16_to_float(cur.v), reduce_scatter_16(part, lane)));
+
+    // S += u·k̂ᵀ, u of row i from lane 2i; then the output partials o = S·q̃.
+#pragma unroll
+    for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
+      const float u = __shfl_sync(0xffffffffu, u_mine, 2 * i);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[i][c] = __fadd_rn(s[i][c], __fmul_rn(u, kh[c]));
+      part[i] = dot4(s[i], qt);
+    }
+    const float o = reduce_scatter_16(part, lane);
+    if ((lane & 1) == 0) {
+      static_cast<__nv_bfloat16*>(p.out)[(t * p.heads + h) * kHeadDim + row0 + my_row] = __float2bfloat16_rn(o);
+    }
+  }
+
+  if (p.final_state != nullptr && slot >= 0) {
+    FinalT* dst = static_cast<FinalT*>(p.final_state) + head_offset + static_cast<size_t>(row0) * kHeadDim + ch0;
+#pragma unroll
+    for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
+  }
+}
+
+template <typename InitT, typename FinalT>
+void launch_typed(const FwdParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads), kDecodeParts);
+  kda_decode_kernel<InitT, FinalT><<<grid, kDecodeThreads, 0, stream>>>(p);
+  KDA_CHECK_LAUNCH("kda_decode_kernel");
+}
+
+}  // namespace
+
+void launch_decode(const FwdParams& p, cudaStream_t stream) {
+  if (p.num_seqs == 0 || p.heads == 0) return;
+  // A missing state takes the bf16 instantiation: its pointer is null, so the kernel never reads or writes it.
+  if (p.initial_is_fp32) {
+    if (p.final_is_fp32) return launch_typed<float, float>(p, stream);
+    return launch_typed<float, __nv_bfloat16>(p, stream);
+  }
+  if (p.final_is_fp32) return launch_typed<__nv_bfloat16, float>(p, stream);
+  return launch_typed<__nv_bfloat16, __nv_bfloat16>(p, stream);
+}
+
+}  // namespace kda
