@@ -676,8 +676,11 @@ def test_reserve_workspace_refuses_cpu_and_negative():
 
 @pytest.mark.gpu
 def test_workspace_too_small():
-    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in inputs().items()}
+    # T = 40: a chunked plan, which needs a workspace (sequences of at most 16 tokens run the decode kernel, which
+    # needs none).
+    x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in inputs(T=40).items()}
     need = flash_kda.workspace_bytes(x["q"])
+    assert need > 0 and not flash_kda.plan(x["q"]).decode
     with pytest.raises(ValueError, match=rf"workspace must hold at least {need} bytes for this call, got workspace.numel\(\)={need - 1}"):
         flash_kda.fwd(**x, workspace=torch.empty(need - 1, dtype=torch.uint8, device="cuda"))
 
