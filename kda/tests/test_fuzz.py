@@ -56,7 +56,7 @@ def random_case(i: int, *, gpu: bool) -> matrix.Case:
         fields.update(pool=N - padding + rng.randint(0, 3), padding=padding, indices_int32=rng.random() < 0.5,
                       indices_on_host=gpu and rng.random() < 0.2)
     if gpu:
-        kind = rng.choice(("auto", "two_stage", "single_pass", "time_split", "overlap", "v_split"))
+        kind = rng.choice(("auto", "two_stage", "single_pass", "time_split", "overlap", "v_split", "decode"))
         if kind == "overlap" and "seqlens" in shape:
             kind = "time_split"  # the overlap runs fixed-length batches only
         fields.update({
@@ -66,6 +66,7 @@ def random_case(i: int, *, gpu: bool) -> matrix.Case:
             "time_split": dict(segment_chunks=rng.randint(1, 3), v_split=rng.choice((1, 2, 4, 8))),
             "overlap": dict(lead_chunks=rng.randint(0, 3)),
             "v_split": dict(v_split=rng.choice((2, 4, 8))),
+            "decode": dict(decode=True),
         }[kind])
     slice_ = "pool" if fields.get("pool") else "adversarial"
     return matrix.Case(slice_, H=H, **shape, **fields, seed=rng.randrange(1 << 31))
@@ -94,17 +95,29 @@ def test_fuzz_gpu_equals_twin(i: int) -> None:
     forced_segments = case.segment_chunks if case.segment_chunks >= 0 else None
     forced_lead = case.lead_chunks if case.lead_chunks >= -1 else None
     with testing.force_plan(v_split=case.v_split, segment_chunks=forced_segments, single_pass=case.single_pass,
-                            lead_chunks=forced_lead):
+                            lead_chunks=forced_lead, decode=case.decode):
         flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
         plan = flash_kda.plan(x["q"], x["cu_seqlens"])
-    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks)
+    # The plan the call ran (decode included): short shapes run the decode kernel unless something else is forced.
+    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode)
     failures = []
     if not torch.equal(x["out"], twin_out):
         failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")
     if case.has_final:
         twin_state = twin_state.to(x["final_state"].dtype)
-        if not matrix.same_bits(x["final_state"], twin_state):
-            failures.append(f"final_state != twin: {compare.bitwise_mismatch(x['final_state'], twin_state)}")
+        actual, base = x["final_state"], args.get("final_state")
+        if case.pool:  # named slots against the twin, the others against the pool before the call
+            from flash_kda import pools  # noqa: PLC0415
+
+            _, slots = pools.named(x["state_indices"], case.pool)
+            untouched = torch.ones(case.pool, dtype=torch.bool)
+            untouched[slots.cpu()] = False
+            if base is not None and not matrix.same_bits(actual[untouched.cuda()],
+                                                         base.to(actual.dtype)[untouched.cuda()]):
+                failures.append("pool slots no sequence names changed")
+            actual, twin_state = actual[slots], twin_state[slots]
+        if not torch.equal(actual, twin_state):
+            failures.append(f"final_state != twin: {compare.bitwise_mismatch(actual, twin_state)}")
     for name, saved in before.items():
         if not (name == "initial_state" and case.inplace_state) and not torch.equal(x[name], saved):
             failures.append(f"input {name} was modified")

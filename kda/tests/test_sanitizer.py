@@ -141,7 +141,7 @@ CHILD = textwrap.dedent(
     ]
     for index_dtype in (torch.int64, torch.int32):
         for plan_name, plan in bad_index_plans:
-            case = matrix.Case("pool", H=2, B=4, T=90, state_dtype="bf16", pool=3, inplace_state=True)
+            case = matrix.Case("pool", H=2, B=4, T=90, state_dtype="bf16", pool=3, padding=1, inplace_state=True)
             x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
             x["state_indices"] = torch.tensor([0, 1 << 30, -1, 2], dtype=index_dtype).cuda()
             with plan():
