@@ -1,6 +1,6 @@
 // The decode kernel (plan.decode; docs/DESIGN.md, "The decode kernel"): short sequences, token by token, with the
 // state in fp32 registers. The arithmetic is docs/NUMERICS.md's "The decode kernel", which
-// flash_kda.numerics_decode.decode_twin_forward re-enacts bit for bit: every fp32 step is an explicitly rounded
+// flash_kda.numerics.decode_twin_forward re-enacts bit for bit: every fp32 step is an explicitly rounded
 // intrinsic (no FMA contraction), every sum over the 128 channels is the lane partial ((p0+p1)+(p2+p3)) followed by
 // the halving tree over lanes (xor 16, 8, 4, 2, 1).
 //

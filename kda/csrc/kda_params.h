@@ -213,8 +213,9 @@ struct FwdParams {
   // (Fields below were appended after the kernels above were tuned: appending keeps every earlier field's offset,
   // and so the machine code of kernels that do not read them.)
   bool decode;         // the decode kernel (decode.cu): short sequences, token by token in fp32 registers
-  // Pooled states (flash_kda.fwd's state_indices), or null: sequence n's state is entry n of the state tensors.
-  // With indices, initial_state and final_state are pools [pool_slots, H, V, K] and sequence n uses slot
+  // Pooled states, or null: sequence n's state is entry n of the state tensors. flash_kda.fwd does not take
+  // indices yet (the binding leaves them null); the decode kernel already reads them through state_slot. With
+  // indices, initial_state and final_state are pools [pool_slots, H, V, K] and sequence n uses slot
   // state_indices[n] (state_slot, state_slots.cuh): a negative index, or one outside [0, pool_slots), means no
   // state (start from zeros, write nothing); an index >= pool_slots is also reported through `status`.
   const void* state_indices;  // int32 or int64 [N] on the device, or null

@@ -1,6 +1,6 @@
 // Where a sequence's state lives: entry n of the state tensors, or with pooled states (FwdParams::state_indices)
-// the pool slot state_indices[n]. Every kernel that reads an initial state or writes a final state goes through
-// state_slot, so pools work on every plan.
+// the pool slot state_indices[n]. The decode kernel reads and writes states through state_slot; pooled states on
+// every plan need the other kernels to do the same (flash_kda.fwd does not pass indices yet).
 #pragma once
 
 #include <cstdint>

@@ -248,3 +248,27 @@ def test_pooled_call_without_tokens_copies_named_slots(in_place) -> None:
         assert torch.equal(x["final_state"], initial)
     else:
         assert torch.isnan(x["final_state"][[0, 2, 3]].float()).all()
+
+
+DECODE_CASES = [
+    matrix.Case("decode", H=4, T=t, state_dtype=dt) for t in (1, 2, 3, 5, 8, 15, 16) for dt in matrix.STATE_DTYPES
+] + [matrix.Case("decode", H=2, seqlens=s, state_io=io, state_dtype="fp32")
+     for s in ((1, 1, 1, 1), (1, 2, 3, 5, 8, 15), (0, 3, 0, 16)) for io in ("in+out", "out_only")]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.id)
+def test_decode_recurrence_in_fp32_matches_float64(case: matrix.Case) -> None:
+    """The decode kernel's token-by-token recurrence (numerics.recurrent_forward: its order of operations, here
+    with exact exp2 and sigmoid; the twin runs the same code with the kernel's approximate instructions) is as
+    accurate as the fp32 chunked path: out within the bf16 rounding floor, the fp32 state far below it."""
+    from flash_kda import numerics  # noqa: PLC0415
+
+    x = matrix.make_inputs(case, "cpu")
+    names = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound")
+    args = [x[n] for n in names]
+    out, state = numerics.recurrent_forward(*args, x["initial_state"], x["cu_seqlens"])
+    ref_out, ref_state = reference.reference_loop(*args, initial_state=x["initial_state"],
+                                                  cu_seqlens=x["cu_seqlens"])
+    floor = compare.compare(ref_out.to(torch.bfloat16), ref_out).rel_l2
+    compare.compare(out, ref_out).check(rel_l2=FLOOR_FACTOR * floor, name=f"{case.id} out")
+    compare.compare(state, ref_state).check(rel_l2=FP32_STATE_REL_L2, name=f"{case.id} state")

@@ -73,10 +73,12 @@ def _fp32(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def _sum_squares_128(x: torch.Tensor) -> torch.Tensor:
-    """Σ x² over the last dim (128) in the kernel's order: lane sums of 4, then a halving tree."""
-    sq = (x * x).unflatten(-1, (32, 4))
-    s = (sq[..., 0] + sq[..., 1]) + (sq[..., 2] + sq[..., 3])
+def tree_sum_128(p: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim (128) in the kernels' order: lane l's leaf ((p0+p1)+(p2+p3)) of p[4l..4l+3], then the
+    halving tree s[:16]+s[16:32], s[:8]+s[8:16], ... (what an xor butterfly over lanes 16, 8, 4, 2, 1 computes:
+    fp addition is commutative)."""
+    p = p.unflatten(-1, (32, 4))
+    s = (p[..., 0] + p[..., 1]) + (p[..., 2] + p[..., 3])
     width = 16
     while width >= 1:
         s = s[..., :width] + s[..., width : 2 * width]
@@ -85,7 +87,28 @@ def _sum_squares_128(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inv_norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.reciprocal(torch.sqrt(_sum_squares_128(x) + _fp32(NORM_EPS, x.device)))
+    return torch.reciprocal(torch.sqrt(tree_sum_128(x * x) + _fp32(NORM_EPS, x.device)))
+
+
+def _gate_log2(g: torch.Tensor, A_log, dt_bias, lower_bound, ar: Arithmetic) -> torch.Tensor:
+    """γ = sigmoid((g + dt_bias) · 2^(A_log·log2 e)) · (lower_bound · log2 e), the base-2 log decay per channel,
+    as the preparation computes it; g is [..., H, K] (fp32)."""
+    log2e = _fp32(LOG2E, g.device)
+    exp_a = ar.exp2(A_log.float() * log2e)  # [H]
+    gate_scale = _fp32(lower_bound, g.device) * log2e
+    x = (g + dt_bias.float().reshape(-1, HEAD_DIM)) * exp_a[:, None]
+    return ar.sigmoid(x) * gate_scale
+
+
+def sequence_bounds(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int) -> tuple:
+    """(bos, eos, lengths) of the sequences, int64 CPU tensors: rows of ``seqlen`` tokens, or ``cu_seqlens``."""
+    if cu_seqlens is None:
+        bos = torch.arange(batch, dtype=torch.int64) * seqlen
+        eos = bos + seqlen
+    else:
+        cu = cu_seqlens.detach().to("cpu", torch.int64)
+        bos, eos = cu[:-1], cu[1:]
+    return bos, eos, (eos - bos).clamp(min=0)
 
 
 @dataclasses.dataclass
@@ -101,13 +124,7 @@ class ChunkLayout:
 
 def chunk_layout(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, device) -> ChunkLayout:
     total = batch * seqlen
-    if cu_seqlens is None:
-        bos = torch.arange(batch, dtype=torch.int64) * seqlen
-        eos = bos + seqlen
-    else:
-        cu = cu_seqlens.detach().to("cpu", torch.int64)
-        bos, eos = cu[:-1], cu[1:]
-    lengths = (eos - bos).clamp(min=0)
+    bos, eos, lengths = sequence_bounds(cu_seqlens, batch, seqlen)
     num_chunks = (lengths + CHUNK - 1) // CHUNK
     offsets = torch.cumsum(num_chunks, 0) - num_chunks
     seq_of_chunk = torch.repeat_interleave(torch.arange(len(lengths)), num_chunks)
@@ -143,11 +160,8 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     vc = _gather_chunks(v, layout)  # bf16 [C, H, 16, V]
     bf = _gather_chunks(beta, layout).float()  # [C, H, 16]
 
-    log2e = _fp32(LOG2E, device)
-    exp_a = ar.exp2(A_log.float() * log2e)  # [H]
-    gate_scale = _fp32(lower_bound, device) * log2e
-    x = (gf + dt_bias.float()[None, :, None, :]) * exp_a[None, :, None, None]
-    gamma = torch.where(valid[..., None], ar.sigmoid(x) * gate_scale, torch.zeros_like(x))
+    gate = _gate_log2(gf.transpose(-2, -3), A_log, dt_bias, lower_bound, ar).transpose(-2, -3)  # [C, H, 16, K]
+    gamma = torch.where(valid[..., None], gate, torch.zeros_like(gate))
     beta_act = torch.where(valid, ar.sigmoid(bf), torch.zeros_like(bf))
 
     cum = torch.empty_like(gamma)
@@ -350,12 +364,84 @@ def _forward_on(initial_state, final_state, state_indices, forward):
     return pools.run_pooled(forward, initial_state, final_state, state_indices)
 
 
+def _prepare_tokens(q, k, g, beta, scale, A_log, dt_bias, lower_bound, ar: Arithmetic):
+    """The decode kernel's per-token values, every token at once (no token depends on another): k̂, q̃ = (q̂·scale)
+    and α = 2^γ [.., H, K], β [.., H]."""
+    kf, qf = k.float(), q.float()
+    k_hat = kf * _inv_norm(kf)[..., None]
+    q_t = (qf * _inv_norm(qf)[..., None]) * _fp32(scale, q.device)
+    alpha = ar.exp2(_gate_log2(g.float(), A_log, dt_bias, lower_bound, ar))
+    return k_hat, q_t, alpha, ar.sigmoid(beta.float())
+
+
+def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
+                      ar: Optional[Arithmetic] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel's token-by-token recurrence in fp32 (kda/csrc/decode.cu; docs/NUMERICS.md, "The decode
+    kernel"): (out bf16 [B,T,H,V], final fp32 [N,H,V,K]). Per token and state row v, each op rounded once (no FMA):
+    S[v,:] ⊙= α; r = v_t[v] − tree(S[v,:]·k̂); u = β·r; S[v,:] += u·k̂; o[v] = tree(S[v,:]·q̃); out = bf16(o), with
+    ``tree_sum_128``'s order. ``ar``: the kernel's approximate exp2 / sigmoid (``decode_twin_forward``) or, by
+    default, exact ones. All sequences advance in lockstep, one token per step."""
+    ar = ar or fp32_arithmetic()
+    B, T, H, _ = q.shape
+    device = q.device
+    bos, _, lengths = sequence_bounds(cu_seqlens, B, T)
+    N = len(lengths)
+    if initial_state is not None:
+        state = initial_state.float().clone()
+    else:
+        state = torch.zeros(N, H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+    out = torch.zeros(B * T, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    if N == 0 or B * T == 0:
+        return out.view(B, T, H, HEAD_DIM), state
+
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    k_hat, q_t, alpha, beta_act = _prepare_tokens(flat(q), flat(k), flat(g), flat(beta), scale, A_log, dt_bias,
+                                                  lower_bound, ar)  # fmt: skip
+    vf = flat(v).float()
+    bos_d, lengths_d = bos.to(device), lengths.to(device)
+    for step in range(int(lengths.max())):
+        if int(lengths.min()) > step:  # every sequence has token `step` (no gather)
+            active, tok = slice(None), bos_d + step
+        else:
+            active = (lengths_d > step).nonzero().flatten()  # the sequences that have token `step`
+            tok = bos_d[active] + step
+        s = state[active]  # [U, H, V, K]
+        kh, qt = k_hat[tok][:, :, None, :], q_t[tok][:, :, None, :]  # [U, H, 1, K]
+        s = s * alpha[tok][:, :, None, :]
+        r = vf[tok] - tree_sum_128(s * kh)  # [U, H, V]
+        u = beta_act[tok][:, :, None] * r
+        s = s + u[..., None] * kh
+        out[tok] = tree_sum_128(s * qt).to(torch.bfloat16)
+        state[active] = s
+    return out.view(B, T, H, HEAD_DIM), state
+
+
+def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None,
+                        cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel's exact arithmetic (CUDA tensors only): ``recurrent_forward`` with the kernel's
+    ``ex2.approx`` and ``tanh.approx``-based sigmoid. (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
+
+    | arg | dtype | shape |
+    |---|---|---|
+    | q, k, g | bf16 | [B, T, H, K] |
+    | v | bf16 | [B, T, H, V] |
+    | beta | bf16 | [B, T, H] (logits) |
+    | A_log, dt_bias | fp32 / bf16 / fp16 | [H], [H, K] |
+    | initial_state | None / bf16 / fp32 | [N, H, V, K] |
+    | cu_seqlens | int32 / int64 or None | [N + 1] |
+    """
+    if q.device.type != "cuda":
+        raise RuntimeError(f"decode_twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
+    return recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                             kernel_arithmetic())
+
+
 def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
                  segment_chunks=None, decode=None, *, state_indices=None, final_state=None):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
     ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode kernel
-    (``numerics_decode.decode_twin_forward``) instead of the chunked kernels. None takes the choice
+    (``decode_twin_forward``) instead of the chunked kernels. None takes the choice
     ``flash_kda.fwd`` would make for these inputs now (its plan, including a plan forced by
     ``flash_kda.testing.force_plan``). With ``state_indices`` [N], ``initial_state`` is a pool [P, H, V, K] and
     the second result is the fp32 pool ``fwd`` leaves: ``final_state`` (the pool before the call; default
@@ -367,11 +453,8 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
         segment_chunks = run.segment_chunks if segment_chunks is None else segment_chunks
         decode = run.decode if decode is None else decode
     if decode:
-        from flash_kda import numerics_decode  # noqa: PLC0415 -- only the decode plan needs it
-
-        return _forward_on(initial_state, final_state, state_indices, lambda initial: (
-            numerics_decode.decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial,
-                                                cu_seqlens)))
+        return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_twin_forward(
+            q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens))
     return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
         segment_chunks,

@@ -14,7 +14,7 @@ stages; ``force_plan(single_pass=True)`` runs it on any shape, ``single_pass=Fal
 overlap (the preparation's tail on the SMs the recurrence leaves free, while it runs):
 ``force_plan(lead_chunks=L)`` runs it on any fixed-length batch with a lead of L chunks, ``lead_chunks=-1`` keeps
 it out. The decode kernel (short sequences token by token, the state in registers; its own twin,
-``numerics_decode``) runs on any shape under ``force_plan(decode=True)``, and ``decode=False`` keeps it out; forcing
+``numerics.decode_twin_forward``) runs on any shape under ``force_plan(decode=True)``, and ``decode=False`` keeps it out; forcing
 anything else keeps it out too.
 
 Not meant for production code. The forced plan holds in the thread (or asyncio context) that entered the block,
