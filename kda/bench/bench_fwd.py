@@ -5,7 +5,8 @@
 (on an air-gapped GPU machine: `tools/offline/bazel-offline run //kda/bench:bench_fwd -- ...`; the peers are built
 into /tmp/peers-site as docs/PERFORMANCE.md "Reproducing it" describes). A program that prints tables, not a test.
 
-Per case, right after our call and on the same tensors, it times the peers:
+Our decode rows take their states from a pool of 2N slots at random `state_indices`, updated in place (a serving
+engine's call). Per case, right after our call and on the same tensors, it times the peers:
 - fla ``chunk_kda`` (Triton), with ``FLA_FLASH_KDA=0`` so that fla never dispatches to a ``flash_kda`` package;
   on the decode rows (names starting "decode", sequences of at most 16 tokens, which our plan runs on the decode
   kernel) fla's column is its recurrent kernel instead, ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd``
@@ -93,7 +94,7 @@ class Case:
     heads: int
     seqlens: Optional[tuple] = None  # varlen: B must be 1
     state: str = "bf16"  # "bf16", "fp32" or "none": one state mode for all three implementations of the row
-    inplace: bool = False  # our final state is our initial state (decode rows: a serving engine's state in place)
+    inplace: bool = False  # decode rows: our states in a pool, updated in place (a serving engine's call)
     fla_recurrent: bool = False  # fla's column times fused_recurrent_kda_fwd (decode rows) instead of chunk_kda
 
     @property
@@ -251,25 +252,32 @@ Run = tuple[Callable[[], None], Callable[[], tuple]]
 
 
 def run_flash_kda(inp, state: str, scale: float, lower_bound: float, inplace: bool = False) -> Run:
-    """Our fwd; ``inplace``: the final state overwrites the initial one (then every timed call starts from the
-    previous call's state, and the outputs are those of one more call from the original state)."""
+    """Our fwd; ``inplace``: a serving engine's call, the states in a pool of 2N slots updated in place, sequence n
+    in a random slot ``state_indices[n]`` (then every timed call starts from the previous call's state, and the
+    outputs are those of one more call from the original state)."""
     import flash_kda
 
     out = torch.empty_like(inp["v"])
     dtype = STATE_DTYPES[state]
     original = None if dtype is None or inp["init"] is None else inp["init"].to(dtype)
-    init = original.clone() if inplace and original is not None else original
-    final = None if init is None else (init if inplace else torch.empty_like(init))
+    init, final, indices = original, None if original is None else torch.empty_like(original), None
+    if inplace and original is not None:
+        n = original.shape[0]
+        gen = torch.Generator(device="cpu").manual_seed(n)
+        indices = torch.randperm(2 * n, generator=gen)[:n].to(device=original.device, dtype=torch.int32)
+        init = final = torch.zeros((2 * n, *original.shape[1:]), dtype=dtype, device=original.device)
 
     def call():
         flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"], inp["dt_bias"],
-                      lower_bound, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"])
+                      lower_bound, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"],
+                      state_indices=indices)
 
     def outputs():
-        if inplace and init is not None:
-            init.copy_(original)
-            call()
-        return out, final
+        if indices is None:
+            return out, final
+        init[indices.long()] = original
+        call()
+        return out, final[indices.long()]
 
     return call, outputs
 
