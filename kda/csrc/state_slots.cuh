@@ -1,6 +1,5 @@
 // Where a sequence's state lives: entry n of the state tensors, or with pooled states (FwdParams::state_indices)
-// the pool slot state_indices[n]. The decode kernel reads and writes states through state_slot; pooled states on
-// every plan need the other kernels to do the same (flash_kda.fwd does not pass indices yet).
+// the pool slot state_indices[n]. Every kernel that reads or writes a state finds it through state_slot.
 #pragma once
 
 #include <cstdint>
