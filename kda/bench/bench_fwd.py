@@ -21,8 +21,10 @@ engine's call). Per case, right after our call and on the same tensors, it times
 Each peer is optional: when it cannot be imported or raises, its column stays empty and a one-line note says why.
 
 Printed (and written to --markdown): a speed table (median ms of CUDA-event timings, tokens/s, achieved GB/s and
-% of the memory floor against the device-copy ceiling measured in the same run, our speed-up over each peer) and
-an accuracy table (relative L2 error of out and final state against the float64 reference). --json holds every
+% of the memory floor against the device-copy ceiling measured in the same run, our speed-up over each peer),
+a table of the decode rows replayed from CUDA graphs (--graphs: each implementation's call captured once; the GPU
+time an engine that runs decode from graphs sees) and an accuracy table (relative L2 error of out and final state
+against the float64 reference). --json holds every
 number and the run's metadata; --png is a bar chart of the three implementations per case.
 
 Cheap re-runs: --peers= (none) or --peers=fla, --cases / --case_names to pick rows (--state to run them in
@@ -50,6 +52,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("cases", "all", "'all' or comma-separated indices into CASES")
 flags.DEFINE_list("case_names", [], "keep only cases whose name contains one of these substrings (comma list)")
 flags.DEFINE_integer("iters", 30, "timed calls per case (max(5, iters // 6) above 16M token-heads)")
+flags.DEFINE_bool("graphs", True, "also time the decode rows replayed from a CUDA graph (as serving engines run decode)")
 flags.DEFINE_integer("warmup", 3, "untimed calls before timing (fla autotunes on its first call)")
 flags.DEFINE_bool("accuracy", True, "also measure errors against the float64 reference")
 flags.DEFINE_integer("accuracy_max_token_heads", 1_600_000, "skip the float64 reference above this size")
@@ -234,6 +237,21 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, batch: int = 
         end.synchronize()
         times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
+
+
+def graph_time_ms(fn: Callable[[], object], iters: int) -> float:
+    """time_ms of one replay of a CUDA graph holding one call of fn (captured after fn's warm-up calls): the GPU
+    time of the call without the host's, as an engine that runs decode from graphs sees it."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return time_ms(graph.replay, iters)
 
 
 def measure_copy_ceiling(nbytes: int, iters: int = 10) -> float:
@@ -452,6 +470,17 @@ def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> d
                     raise  # the subject of the benchmark: its failure is an error
                 row["notes"].append(f"{impl} raised on {case.name}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
                 logging.warning("%s", row["notes"][-1])
+        if FLAGS.graphs and case.fla_recurrent:
+            for impl, (call, _) in runs.items():
+                if row[f"{impl}_ms"] is None:
+                    continue
+                try:
+                    row[f"{impl}_graph_ms"] = graph_time_ms(call, row["iters"])
+                except Exception as exc:  # a peer that cannot be captured keeps an empty cell
+                    if impl == "flash_kda":
+                        raise
+                    row["notes"].append(f"{impl} not captured in a CUDA graph on {case.name}: "
+                                        f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         if FLAGS.accuracy and case.token_heads <= FLAGS.accuracy_max_token_heads:
             ref_out, ref_fin = reference.reference_chunked(
                 inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, inp["A_log"], inp["dt_bias"],
@@ -538,6 +567,28 @@ def speed_table(rows: list[dict], copy_bytes_per_s: float) -> list[str]:
     return lines
 
 
+def graph_table(rows: list[dict], copy_bytes_per_s: float) -> list[str]:
+    """The decode rows replayed from CUDA graphs (rows without a graph time are left out)."""
+    rows = [r for r in rows if r.get("flash_kda_graph_ms")]
+    if not rows:
+        return []
+    lines = ["## Decode rows replayed from CUDA graphs (ms, median of CUDA-event timings of one replay)",
+             "| case | state | flash_kda ms | fla ms | moonshot ms | fla / flash_kda | moonshot / flash_kda | floor ms "
+             "| % of floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ms = r["flash_kda_graph_ms"]
+        floor = r["floor_bytes"] / copy_bytes_per_s * 1e3
+        ratios = [_fmt(r[f"{p}_graph_ms"] / ms if r.get(f"{p}_graph_ms") else None, ".2f") for p in PEERS]
+        lines.append(f"| {r['case']} | {r['state']} | {ms:.3f} | {_fmt(r.get('fla_graph_ms'), '.3f')} | "
+                     f"{_fmt(r.get('moonshot_graph_ms'), '.3f')} | {ratios[0]} | {ratios[1]} | {floor:.3f} | "
+                     f"{100 * floor / ms:.1f} |")
+    lines.append("")
+    lines.append("Each implementation's call captured once in a torch.cuda.CUDAGraph after its warm-up; no host work "
+                 "is timed. The eager table above times each call as issued from Python.")
+    return lines + [""]
+
+
 def accuracy_table(rows: list[dict]) -> list[str]:
     lines = ["## Accuracy (relative L2 error against the float64 reference)",
              "| case | state | flash_kda out | flash_kda state | flash_kda worst 256-token window | fla out "
@@ -563,6 +614,7 @@ def notes_lines(notes: list[str]) -> list[str]:
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:
     lines = speed_table(rows, meta["copy_bytes_per_s"]) + [""]
+    lines += graph_table(rows, meta["copy_bytes_per_s"])
     lines += accuracy_table(rows)
     notes = list(meta.get("notes", [])) + [n for r in rows for n in r.get("notes", [])]
     return lines + ([""] + notes_lines(notes) if notes else [])
