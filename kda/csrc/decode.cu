@@ -57,8 +57,7 @@ __device__ __forceinline__ DecodeItem decode_item(const FwdParams& p, int64_t it
   return {pair / p.heads, static_cast<int>(pair % p.heads), static_cast<int>(item % kDecodeParts)};
 }
 __device__ __forceinline__ size_t item_offset(const FwdParams& p, int64_t slot, const DecodeItem& it) {
-  return ((static_cast<size_t>(slot) * p.heads + it.h) * kHeadDim + static_cast<size_t>(it.part) * kDecodeRows) *
-         kHeadDim;
+  return state_offset(p, slot, it.h) + static_cast<size_t>(it.part) * kDecodeRows * kHeadDim;
 }
 
 // One thread starts bringing item `item`'s initial state into a ring stage: one bulk copy completing on the

@@ -83,21 +83,22 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
       return;
     }
   }
-  // The sequence's state slot (state_slots.cuh); -1: start from zeros, write nothing.
-  const int64_t slot = state_slot(p, n);
-  const size_t state_offset = (static_cast<size_t>(slot < 0 ? 0 : slot) * p.heads + h) * kHeadDim * kHeadDim;
+  // The sequence's state slot (state_slots.cuh; -1: start from zeros, write nothing), looked up where each state
+  // is touched rather than held in registers across the chunks.
+  const int64_t first_slot = split_start == nullptr && p.initial_state != nullptr ? state_slot(p, n) : -1;
   if (split_start != nullptr) {
     load_rows<float>(s, split_start, v_base, gi, ti);
-  } else if (p.initial_state != nullptr && slot >= 0) {
-    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset, v_base, gi, ti);
+  } else if (first_slot >= 0) {
+    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset(p, first_slot, h), v_base, gi, ti);
   } else {
     fill_rows(s, 0.f);
   }
 
   run_chunks<kWarps, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
 
-  if (last && p.final_state != nullptr && slot >= 0) {
-    store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
+  const int64_t last_slot = last && p.final_state != nullptr ? state_slot(p, n) : -1;
+  if (last_slot >= 0) {
+    store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, last_slot, h), s, v_base, gi, ti);
   }
 }
 

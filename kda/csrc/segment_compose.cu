@@ -110,10 +110,9 @@ __global__ void __launch_bounds__(kComposeWarps * 32) kda_segment_compose_kernel
   LinkOperands even, odd;  // operands of the even / odd links (two register sets, no copies between them)
   load_link(even, data_of(0), r0, c, g, t, lane);
   Block acc;
-  const int64_t slot = state_slot(p, n);  // state_slots.cuh; -1: the chain starts from zeros
-  if (p.initial_state != nullptr && slot >= 0) {
-    const size_t offset = (static_cast<size_t>(slot) * p.heads + h) * kHeadDim * kHeadDim;
-    load_block<StateT>(acc, static_cast<const StateT*>(p.initial_state) + offset, r0, c, g, t);
+  const int64_t slot = p.initial_state != nullptr ? state_slot(p, n) : -1;  // -1: the chain starts from zeros
+  if (slot >= 0) {
+    load_block<StateT>(acc, static_cast<const StateT*>(p.initial_state) + state_offset(p, slot, h), r0, c, g, t);
   } else {
 #pragma unroll
     for (int q = 0; q < kTilesPerWarp; ++q) {

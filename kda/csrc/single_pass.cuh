@@ -51,13 +51,13 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   const int64_t len = bounds.eos - bounds.bos;
   const int64_t num_chunks = (len + kChunk - 1) / kChunk;
-  // The sequence's state slot (state_slots.cuh); -1: start from zeros, write nothing.
-  const int64_t slot = state_slot(p, n);
-  const size_t state_offset = (static_cast<size_t>(slot < 0 ? 0 : slot) * p.heads + h) * kHeadDim * kHeadDim;
+  // The sequence's state slot (state_slots.cuh; -1: start from zeros, write nothing), looked up where each state
+  // is touched rather than held in registers across the chunks.
+  const int64_t first_slot = p.initial_state != nullptr ? state_slot(p, n) : -1;
 
   StateRows s;
-  if (p.initial_state != nullptr && slot >= 0) {
-    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset, v_base, gi, ti);
+  if (first_slot >= 0) {
+    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset(p, first_slot, h), v_base, gi, ti);
   } else {
     fill_rows(s, 0.f);
   }
@@ -95,8 +95,9 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
     __syncthreads();  // every warp's last products have read the ring before the next block overwrites it
   }
 
-  if (p.final_state != nullptr && slot >= 0) {
-    store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
+  const int64_t last_slot = p.final_state != nullptr ? state_slot(p, n) : -1;
+  if (last_slot >= 0) {
+    store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, last_slot, h), s, v_base, gi, ti);
   }
 }
 

@@ -18,4 +18,9 @@ __device__ __forceinline__ int64_t state_slot(const FwdParams& p, int64_t n) {
   return slot >= 0 && slot < p.pool_slots ? slot : -1;
 }
 
+// Element offset of head h's state in slot `slot` (>= 0) of a state tensor [slots, H, V, K].
+__device__ __forceinline__ size_t state_offset(const FwdParams& p, int64_t slot, int h) {
+  return (static_cast<size_t>(slot) * p.heads + h) * kHeadDim * kHeadDim;
+}
+
 }  // namespace kda
