@@ -5,7 +5,8 @@
 (on an air-gapped GPU machine: `tools/offline/bazel-offline run //kda/bench:bench_fwd -- ...`; the peers are built
 into /tmp/peers-site as docs/PERFORMANCE.md "Reproducing it" describes). A program that prints tables, not a test.
 
-Per case, right after our call and on the same tensors, it times the peers:
+Our decode rows take their states from a pool of 2N slots at random `state_indices`, updated in place (a serving
+engine's call). Per case, right after our call and on the same tensors, it times the peers:
 - fla ``chunk_kda`` (Triton), with ``FLA_FLASH_KDA=0`` so that fla never dispatches to a ``flash_kda`` package;
   on the decode rows (names starting "decode", sequences of at most 16 tokens, which our plan runs on the decode
   kernel) fla's column is its recurrent kernel instead, ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd``
@@ -20,8 +21,10 @@ Per case, right after our call and on the same tensors, it times the peers:
 Each peer is optional: when it cannot be imported or raises, its column stays empty and a one-line note says why.
 
 Printed (and written to --markdown): a speed table (median ms of CUDA-event timings, tokens/s, achieved GB/s and
-% of the memory floor against the device-copy ceiling measured in the same run, our speed-up over each peer) and
-an accuracy table (relative L2 error of out and final state against the float64 reference). --json holds every
+% of the memory floor against the device-copy ceiling measured in the same run, our speed-up over each peer),
+a table of the decode rows replayed from CUDA graphs (--graphs: each implementation's call captured once; the GPU
+time an engine that runs decode from graphs sees) and an accuracy table (relative L2 error of out and final state
+against the float64 reference). --json holds every
 number and the run's metadata; --png is a bar chart of the three implementations per case.
 
 Cheap re-runs: --peers= (none) or --peers=fla, --cases / --case_names to pick rows (--state to run them in
@@ -49,6 +52,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("cases", "all", "'all' or comma-separated indices into CASES")
 flags.DEFINE_list("case_names", [], "keep only cases whose name contains one of these substrings (comma list)")
 flags.DEFINE_integer("iters", 30, "timed calls per case (max(5, iters // 6) above 16M token-heads)")
+flags.DEFINE_bool("graphs", True, "also time the decode rows replayed from a CUDA graph (as serving engines run decode)")
 flags.DEFINE_integer("warmup", 3, "untimed calls before timing (fla autotunes on its first call)")
 flags.DEFINE_bool("accuracy", True, "also measure errors against the float64 reference")
 flags.DEFINE_integer("accuracy_max_token_heads", 1_600_000, "skip the float64 reference above this size")
@@ -93,7 +97,7 @@ class Case:
     heads: int
     seqlens: Optional[tuple] = None  # varlen: B must be 1
     state: str = "bf16"  # "bf16", "fp32" or "none": one state mode for all three implementations of the row
-    inplace: bool = False  # our final state is our initial state (decode rows: a serving engine's state in place)
+    inplace: bool = False  # decode rows: our states in a pool, updated in place (a serving engine's call)
     fla_recurrent: bool = False  # fla's column times fused_recurrent_kda_fwd (decode rows) instead of chunk_kda
 
     @property
@@ -235,6 +239,21 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, batch: int = 
     return statistics.median(times)
 
 
+def graph_time_ms(fn: Callable[[], object], iters: int) -> float:
+    """time_ms of one replay of a CUDA graph holding one call of fn (captured after fn's warm-up calls): the GPU
+    time of the call without the host's, as an engine that runs decode from graphs sees it."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return time_ms(graph.replay, iters)
+
+
 def measure_copy_ceiling(nbytes: int, iters: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write): the roof for a memory-bound forward."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -251,25 +270,32 @@ Run = tuple[Callable[[], None], Callable[[], tuple]]
 
 
 def run_flash_kda(inp, state: str, scale: float, lower_bound: float, inplace: bool = False) -> Run:
-    """Our fwd; ``inplace``: the final state overwrites the initial one (then every timed call starts from the
-    previous call's state, and the outputs are those of one more call from the original state)."""
+    """Our fwd; ``inplace``: a serving engine's call, the states in a pool of 2N slots updated in place, sequence n
+    in a random slot ``state_indices[n]`` (then every timed call starts from the previous call's state, and the
+    outputs are those of one more call from the original state)."""
     import flash_kda
 
     out = torch.empty_like(inp["v"])
     dtype = STATE_DTYPES[state]
     original = None if dtype is None or inp["init"] is None else inp["init"].to(dtype)
-    init = original.clone() if inplace and original is not None else original
-    final = None if init is None else (init if inplace else torch.empty_like(init))
+    init, final, indices = original, None if original is None else torch.empty_like(original), None
+    if inplace and original is not None:
+        n = original.shape[0]
+        gen = torch.Generator(device="cpu").manual_seed(n)
+        indices = torch.randperm(2 * n, generator=gen)[:n].to(device=original.device, dtype=torch.int32)
+        init = final = torch.zeros((2 * n, *original.shape[1:]), dtype=dtype, device=original.device)
 
     def call():
         flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"], inp["dt_bias"],
-                      lower_bound, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"])
+                      lower_bound, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"],
+                      state_indices=indices)
 
     def outputs():
-        if inplace and init is not None:
-            init.copy_(original)
-            call()
-        return out, final
+        if indices is None:
+            return out, final
+        init[indices.long()] = original
+        call()
+        return out, final[indices.long()]
 
     return call, outputs
 
@@ -444,6 +470,17 @@ def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> d
                     raise  # the subject of the benchmark: its failure is an error
                 row["notes"].append(f"{impl} raised on {case.name}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
                 logging.warning("%s", row["notes"][-1])
+        if FLAGS.graphs and case.fla_recurrent:
+            for impl, (call, _) in runs.items():
+                if row[f"{impl}_ms"] is None:
+                    continue
+                try:
+                    row[f"{impl}_graph_ms"] = graph_time_ms(call, row["iters"])
+                except Exception as exc:  # a peer that cannot be captured keeps an empty cell
+                    if impl == "flash_kda":
+                        raise
+                    row["notes"].append(f"{impl} not captured in a CUDA graph on {case.name}: "
+                                        f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         if FLAGS.accuracy and case.token_heads <= FLAGS.accuracy_max_token_heads:
             ref_out, ref_fin = reference.reference_chunked(
                 inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, inp["A_log"], inp["dt_bias"],
@@ -530,6 +567,28 @@ def speed_table(rows: list[dict], copy_bytes_per_s: float) -> list[str]:
     return lines
 
 
+def graph_table(rows: list[dict], copy_bytes_per_s: float) -> list[str]:
+    """The decode rows replayed from CUDA graphs (rows without a graph time are left out)."""
+    rows = [r for r in rows if r.get("flash_kda_graph_ms")]
+    if not rows:
+        return []
+    lines = ["## Decode rows replayed from CUDA graphs (ms, median of CUDA-event timings of one replay)",
+             "| case | state | flash_kda ms | fla ms | moonshot ms | fla / flash_kda | moonshot / flash_kda | floor ms "
+             "| % of floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ms = r["flash_kda_graph_ms"]
+        floor = r["floor_bytes"] / copy_bytes_per_s * 1e3
+        ratios = [_fmt(r[f"{p}_graph_ms"] / ms if r.get(f"{p}_graph_ms") else None, ".2f") for p in PEERS]
+        lines.append(f"| {r['case']} | {r['state']} | {ms:.3f} | {_fmt(r.get('fla_graph_ms'), '.3f')} | "
+                     f"{_fmt(r.get('moonshot_graph_ms'), '.3f')} | {ratios[0]} | {ratios[1]} | {floor:.3f} | "
+                     f"{100 * floor / ms:.1f} |")
+    lines.append("")
+    lines.append("Each implementation's call captured once in a torch.cuda.CUDAGraph after its warm-up; no host work "
+                 "is timed. The eager table above times each call as issued from Python.")
+    return lines + [""]
+
+
 def accuracy_table(rows: list[dict]) -> list[str]:
     lines = ["## Accuracy (relative L2 error against the float64 reference)",
              "| case | state | flash_kda out | flash_kda state | flash_kda worst 256-token window | fla out "
@@ -555,6 +614,7 @@ def notes_lines(notes: list[str]) -> list[str]:
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:
     lines = speed_table(rows, meta["copy_bytes_per_s"]) + [""]
+    lines += graph_table(rows, meta["copy_bytes_per_s"])
     lines += accuracy_table(rows)
     notes = list(meta.get("notes", [])) + [n for r in rows for n in r.get("notes", [])]
     return lines + ([""] + notes_lines(notes) if notes else [])

@@ -39,11 +39,11 @@ def _inputs(state: bool, varlen: bool) -> dict:
     return x
 
 
-def _per_call_us(fn, x: dict, *extra) -> float:
+def _per_call_us(fn, x: dict, *extra, **keywords) -> float:
     """Host µs per call of fn with the inputs x (as flash_kda.fwd takes them) and any extra arguments."""
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
             x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"], *extra)
-    return _loop_us(lambda: fn(*args))
+    return _loop_us(lambda: fn(*args, **keywords))
 
 
 def _loop_us(fn) -> float:
@@ -80,7 +80,8 @@ def _breakdown(x: dict) -> None:
     ws = api.reserve_workspace(api.workspace_bytes(q), q.device)
     launch_args = ((q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
                     x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
-                    False), (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"])), run,
+                    False, 0, False), (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), 1),
+                   run,
                    (ws.data_ptr(), ws.numel(), 0, _ext.current_stream(index), index))  # fmt: skip
     steps = {
         "whole flash_kda.fwd": lambda: api.fwd(*args[:13]),
@@ -110,9 +111,17 @@ def main(argv: list[str]) -> None:
     for state, varlen in ((False, False), (True, False), (True, True)):
         x = _inputs(state, varlen)
         direct = _per_call_us(flash_kda.fwd, x)
-        op = _per_call_us(torch.ops.flash_kda.fwd, x, None)  # the operator takes all 14 arguments (workspace)
+        op = _per_call_us(torch.ops.flash_kda.fwd, x, None, None)  # all 15 arguments (workspace, state_indices)
         label = ("bf16 state in+out" if state else "no state") + (", cu_seqlens" if varlen else "")
         print(f"| {label} | {direct:.1f} | {op:.1f} |", flush=True)
+    # A serving engine's call: the states in a pool of 4 slots, updated in place at slot 2.
+    x = _inputs(True, False)
+    x["initial_state"] = x["final_state"] = torch.zeros(4, *x["initial_state"].shape[1:], dtype=torch.bfloat16,
+                                                        device="cuda")
+    indices = torch.tensor([2], dtype=torch.int32, device="cuda")
+    direct = _per_call_us(flash_kda.fwd, x, state_indices=indices)
+    op = _per_call_us(torch.ops.flash_kda.fwd, x, None, indices)
+    print(f"| bf16 pool in place, state_indices | {direct:.1f} | {op:.1f} |", flush=True)
     _breakdown(_inputs(False, False))
 
 

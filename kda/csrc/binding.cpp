@@ -54,20 +54,23 @@ class CurrentDevice {
 // CPython API (a pybind class built per call, or pybind's list/array casters, cost more than the 34 loose
 // arguments they would replace; a tuple of four groups costs less). Their layouts, in order:
 //   FwdTensors  (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, initial_is_fp32,
-//                final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64): device addresses as ints (0 for
-//                None), ParamType codes (0 fp32, 1 bf16, 2 fp16) and bools;
-//   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound): ints, then floats;
+//                final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices,
+//                state_indices_is_int64): device addresses as ints (0 for None), ParamType codes (0 fp32, 1 bf16,
+//                2 fp16) and bools;
+//   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots): ints, then floats, then the
+//                pools' slot count P (num_seqs without state_indices);
 //   kda::Plan   the flash_kda.Plan object itself;
 //   FwdLaunch   (workspace, workspace_bytes, status, stream, device): ints (status 0: no error word).
 struct FwdTensors {
-  std::uintptr_t q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens;
+  std::uintptr_t q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens, state_indices;
   kda::ParamType A_log_type, dt_bias_type;
-  bool initial_is_fp32, final_is_fp32, cu_seqlens_is_int64;
+  bool initial_is_fp32, final_is_fp32, cu_seqlens_is_int64, state_indices_is_int64;
 };
 struct FwdShape {
   int64_t batch, seqlen, num_seqs;
   int heads;
   float scale, lower_bound;
+  int64_t pool_slots;
 };
 struct FwdLaunch {
   std::uintptr_t workspace;
@@ -135,9 +138,9 @@ namespace pybind11::detail {
 template <>
 struct type_caster<FwdTensors> {
   PYBIND11_TYPE_CASTER(FwdTensors, const_name("tuple[int, int, int, int, int, int, int, int, int, int, int, bool, "
-                                               "int, bool, int, bool]"));
+                                               "int, bool, int, bool, int, bool]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 16);
+    TupleReader r(src, 18);
     FwdTensors& t = value;
     t.q = r.integer<std::uintptr_t>();
     t.k = r.integer<std::uintptr_t>();
@@ -155,21 +158,24 @@ struct type_caster<FwdTensors> {
     t.final_is_fp32 = r.boolean();
     t.cu_seqlens = r.integer<std::uintptr_t>();
     t.cu_seqlens_is_int64 = r.boolean();
+    t.state_indices = r.integer<std::uintptr_t>();
+    t.state_indices_is_int64 = r.boolean();
     return r.ok();
   }
 };
 
 template <>
 struct type_caster<FwdShape> {
-  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float]"));
+  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float, int]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 6);
+    TupleReader r(src, 7);
     value.batch = r.integer<int64_t>();
     value.seqlen = r.integer<int64_t>();
     value.num_seqs = r.integer<int64_t>();
     value.heads = r.integer<int>();
     value.scale = r.real();
     value.lower_bound = r.real();
+    value.pool_slots = r.integer<int64_t>();
     return r.ok();
   }
 };
@@ -211,6 +217,9 @@ kda::FwdParams fwd_params(const FwdTensors& t, const FwdShape& shape, const kda:
   p.final_is_fp32 = t.final_is_fp32;
   p.cu_seqlens = ptr<const void>(t.cu_seqlens);
   p.cu_seqlens_is_int64 = t.cu_seqlens_is_int64;
+  p.state_indices = ptr<const void>(t.state_indices);
+  p.state_indices_is_int64 = t.state_indices_is_int64;
+  p.pool_slots = shape.pool_slots;
   p.total_tokens = shape.batch * shape.seqlen;
   p.seqlen = shape.seqlen;
   p.num_seqs = shape.num_seqs;
@@ -335,6 +344,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("lead_chunks") = py::none(), py::arg("tail_ctas") = py::none(),
           py::arg("longest_first") = py::none(), py::arg("decode") = py::none(), "A copy with the given fields changed.");
   m.attr("STATUS_CLEAR") = kda::kStatusClear;
+  m.attr("STATUS_STATE_INDEX_BASE") = kda::kStatusStateIndexBase;
   m.def("status_word_create", &kda::status_word_create, py::arg("device"),
         "Allocates and clears CUDA device `device`'s error word (outside any memory pool); returns its address.");
   m.def(
@@ -345,13 +355,14 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("address"), py::arg("device"),
       "Waits for all work on `device`, then reads and resets its error word atomically; returns the value read "
-      "(1 << 62: no malformed cu_seqlens since the last take).");
+      "(1 << 62: no malformed cu_seqlens or state_indices since the last take; below 1 << 40: the first bad "
+      "cu_seqlens index; else 1 << 40 plus the first sequence whose state index is past the pool).");
   m.def("fwd", &fwd, py::arg("tensors"), py::arg("shape"), py::arg("plan"), py::arg("launch"),
         "Enqueues the KDA forward on CUDA device `device`'s stream `stream` under `plan` (a Plan from choose_plan). "
         "tensors = (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, "
-        "initial_is_fp32, final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64): device addresses (0 for "
-        "None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; shape = (batch, seqlen, num_seqs, heads, scale, "
-        "lower_bound); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
+        "initial_is_fp32, final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices, "
+        "state_indices_is_int64): device addresses (0 for None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; "
+        "shape = (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
         "job: use flash_kda.fwd.");
   m.def(
       "choose_plan",

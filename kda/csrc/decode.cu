@@ -4,11 +4,14 @@
 // intrinsic (no FMA contraction), every sum over the 128 channels is the lane partial ((p0+p1)+(p2+p3)) followed by
 // the halving tree over lanes (xor 16, 8, 4, 2, 1).
 //
-// Grid (N, H, kDecodeParts): CTA (n, h, part) owns state rows part*64 .. part*64+63 of sequence n, head h; 4 warps
+// Work items: (sequence n, head h, part) owns state rows part*64 .. part*64+63, a contiguous 64 x 128 block; 4 warps
 // of 16 rows. Lane l owns columns 4l..4l+3 of each of its warp's rows: 16 x 4 fp32 state registers. Every warp
-// prepares each token itself (k̂, scale·q̂, α for its 4 channels, β), so warps never wait for each other: no shared
-// memory, no barrier. Rows of different CTAs are disjoint and each CTA reads its rows before it writes them, so
-// initial_state may be final_state.
+// prepares each token itself (k̂, scale·q̂, α for its 4 channels, β), so warps never wait for each other inside an
+// item. A call moves little more than its states (32-64 KB per head each way), so the kernel is a memory pipeline:
+// persistent CTAs (as many as fit on the GPU) walk the items, and a ring of shared-memory stages holds the initial
+// states of the next items, each brought by one bulk copy, while the current item computes. Rows of different
+// items are disjoint and each item reads its rows before it writes them, so initial_state may be final_state.
+// The call's input checks (input_checks.cuh) run here too: the decode plan launches this kernel alone.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -16,9 +19,12 @@
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
+#include "kda/csrc/input_checks.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/prepare_chunk.cuh"
+#include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/smem_opt_in.h"
 #include "kda/csrc/state_slots.cuh"
 
 namespace kda {
@@ -29,7 +35,45 @@ constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr int kDecodeRowsPerWarp = 16;
 constexpr int kDecodeRows = kDecodeWarps * kDecodeRowsPerWarp;  // state rows per CTA
 constexpr int kDecodeParts = kHeadDim / kDecodeRows;               // CTAs per (sequence, head)
-static_assert(kDecodeParts * kDecodeRows == kHeadDim, "the CTAs of a head cover its 128 rows");
+static_assert(kDecodeParts * kDecodeRows == kHeadDim, "the items of a head cover its 128 rows");
+constexpr int kDecodeItemElems = kDecodeRows * kHeadDim;  // one item's state block
+
+// Ring stages per CTA and CTAs per SM: 3 x 16 KB for a bf16 state, 2 x 32 KB for an fp32 one (192 KB per SM).
+template <typename InitT>
+struct DecodeRing {
+  static constexpr int kStages = sizeof(InitT) == 2 ? 3 : 2;
+  static constexpr int kStageBytes = kDecodeItemElems * static_cast<int>(sizeof(InitT));
+  static constexpr int kSmemBytes = kStages * kStageBytes + kStages * static_cast<int>(sizeof(uint64_t));
+};
+
+// Item i: part = i % 2, head = (i / 2) % H, sequence = i / (2H) (a dense state's items are in memory order).
+struct DecodeItem {
+  int64_t n;
+  int h;
+  int part;
+};
+__device__ __forceinline__ DecodeItem decode_item(const FwdParams& p, int64_t item) {
+  const int64_t pair = item / kDecodeParts;
+  return {pair / p.heads, static_cast<int>(pair % p.heads), static_cast<int>(item % kDecodeParts)};
+}
+__device__ __forceinline__ size_t item_offset(const FwdParams& p, int64_t slot, const DecodeItem& it) {
+  return state_offset(p, slot, it.h) + static_cast<size_t>(it.part) * kDecodeRows * kHeadDim;
+}
+
+// One thread starts bringing item `item`'s initial state into a ring stage: one bulk copy completing on the
+// stage's barrier, or a plain arrival when the item starts from zeros (no state, or a padding slot).
+template <typename InitT>
+__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t item, InitT* stage, uint64_t* full) {
+  const DecodeItem it = decode_item(p, item);
+  const int64_t slot = state_slot(p, it.n);
+  if (p.initial_state != nullptr && slot >= 0) {
+    mbarrier_arrive_expect_tx(full, DecodeRing<InitT>::kStageBytes);
+    bulk_copy_g2s(stage, static_cast<const InitT*>(p.initial_state) + item_offset(p, slot, it),
+                  DecodeRing<InitT>::kStageBytes, full);
+  } else {
+    mbarrier_arrive(full);
+  }
+}
 static_assert(prep::kChannelsPerLane == 4, "lane l owns channels 4l..4l+3");
 
 // Four consecutive state elements (columns 4l..4l+3 of one row) widened to fp32 / stored from fp32.
@@ -39,7 +83,7 @@ __device__ __forceinline__ void load4(const float* src, float (&x)[4]) {
 }
 __device__ __forceinline__ void load4(const __nv_bfloat16* src, float (&x)[4]) {
   prep::unpack4(*reinterpret_cast<const uint2*>(src), x);
-}
+}  // (both: from a ring stage in shared memory)
 __device__ __forceinline__ void store4(float* dst, const float (&x)[4]) {
   *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
 }
@@ -104,91 +148,143 @@ __device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, in
 
 template <typename InitT, typename FinalT>
 __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const FwdParams p) {
-  const int64_t n = blockIdx.x;
-  const int h = blockIdx.y;
+  using Ring = DecodeRing<InitT>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  InitT* ring = reinterpret_cast<InitT*>(smem);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ring::kStages * Ring::kStageBytes);
+
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row0 = blockIdx.z * kDecodeRows + warp * kDecodeRowsPerWarp;  // this warp's first state row
   const int ch0 = prep::kChannelsPerLane * lane;
   const int my_row = lane >> 1;  // the row whose sums this lane ends with (reduce_scatter_16)
+  const int warp_row0 = warp * kDecodeRowsPerWarp;  // this warp's first row within the item's 64
+  const int64_t items = p.num_seqs * p.heads * kDecodeParts;
 
-  const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
-  const int64_t slot = state_slot(p, n);
-  const size_t head_offset = (static_cast<size_t>(slot) * p.heads + h) * kHeadDim * kHeadDim;
-
-  // The state rows, fp32 (a bf16 state widened exactly), or zeros.
-  float s[kDecodeRowsPerWarp][4];
-  if (p.initial_state != nullptr && slot >= 0) {
-    const InitT* src = static_cast<const InitT*>(p.initial_state) + head_offset + static_cast<size_t>(row0) * kHeadDim + ch0;
-#pragma unroll
-    for (int i = 0; i < kDecodeRowsPerWarp; ++i) load4(src + i * kHeadDim, s[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kDecodeRowsPerWarp; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kDecodeThreads + threadIdx.x; i <= p.num_seqs;
+       i += static_cast<int64_t>(gridDim.x) * kDecodeThreads) {
+    check_call_inputs(p, i);
   }
-
-  // The gate's per-head parts (prepare_chunk.cuh's phase 1, the same instructions).
-  const float exp_a = ex2_approx(__fmul_rn(prep::load_param(p.A_log, p.A_log_type, h), kLog2e));
-  const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
-  float bias[4];
-  prep::load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, bias);
-
-  RawToken next{};
-  if (b.bos < b.eos) next = load_token(p, b.bos, h, ch0, row0 + my_row);
-  for (int64_t t = b.bos; t < b.eos; ++t) {
-    const RawToken cur = next;
-    if (t + 1 < b.eos) next = load_token(p, t + 1, h, ch0, row0 + my_row);  // in flight during this token
-
-    // The token's preparation: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale, α = 2^γ, β = sigmoid(logit).
-    float kh[4], qt[4], alpha[4], gf[4];
-    prep::unpack4(cur.k, kh);
-    prep::unpack4(cur.q, qt);
-    prep::unpack4(cur.g, gf);
-    const float inv_k = prep::inv_norm(warp_sum(prep::sum_squares_4(kh)));
-    const float inv_q = prep::inv_norm(warp_sum(prep::sum_squares_4(qt)));
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      kh[c] = __fmul_rn(kh[c], inv_k);
-      qt[c] = __fmul_rn(__fmul_rn(qt[c], inv_q), p.scale);
-      const float x = __fmul_rn(__fadd_rn(gf[c], bias[c]), exp_a);
-      alpha[c] = ex2_approx(__fmul_rn(sigmoid_approx(x), gate_scale));
-    }
-    const float beta = sigmoid_approx(bf16_to_float(cur.beta));
-
-    // Decay, then r = v − S·k̂ per row (16 sums in one reduce-scatter), u = β·r on lanes 2i, 2i + 1.
-    float part[kDecodeRowsPerWarp];
-#pragma unroll
-    for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[i][c] = __fmul_rn(s[i][c], alpha[c]);
-      part[i] = dot4(s[i], kh);
-    }
-    const float u_mine = __fmul_rn(beta, __fsub_rn(bf16_to_float(cur.v), reduce_scatter_16(part, lane)));
-
-    // S += u·k̂ᵀ, u of row i from lane 2i; then the output partials o = S·q̃.
-#pragma unroll
-    for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
-      const float u = __shfl_sync(0xffffffffu, u_mine, 2 * i);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[i][c] = __fadd_rn(s[i][c], __fmul_rn(u, kh[c]));
-      part[i] = dot4(s[i], qt);
-    }
-    const float o = reduce_scatter_16(part, lane);
-    if ((lane & 1) == 0) {
-      static_cast<__nv_bfloat16*>(p.out)[(t * p.heads + h) * kHeadDim + row0 + my_row] = __float2bfloat16_rn(o);
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < Ring::kStages; ++st) mbarrier_init(&full[st], 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < Ring::kStages; ++st) {
+      const int64_t item = blockIdx.x + static_cast<int64_t>(st) * gridDim.x;
+      if (item < items) start_state_load(p, item, ring + st * kDecodeItemElems, &full[st]);
     }
   }
 
-  if (p.final_state != nullptr && slot >= 0) {
-    FinalT* dst = static_cast<FinalT*>(p.final_state) + head_offset + static_cast<size_t>(row0) * kHeadDim + ch0;
+  int st = 0;
+  uint32_t parity = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const DecodeItem it = decode_item(p, item);
+    const int h = it.h;
+    const int row0 = it.part * kDecodeRows + warp_row0;  // this warp's first state row in the head
+    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, it.n, p.seqlen, p.total_tokens);
+    const int64_t slot = state_slot(p, it.n);
+
+    // The item's first token and the gate's per-head parts (prepare_chunk.cuh's phase 1, the same instructions)
+    // are in flight while the warp waits for the state.
+    RawToken next{};
+    if (b.bos < b.eos) next = load_token(p, b.bos, h, ch0, row0 + my_row);
+    const float exp_a = ex2_approx(__fmul_rn(prep::load_param(p.A_log, p.A_log_type, h), kLog2e));
+    const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
+    float bias[4];
+    prep::load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, bias);
+
+    // The state rows, fp32 (a bf16 state widened exactly), or zeros; then the stage is free for a later item.
+    float s[kDecodeRowsPerWarp][4];
+    mbarrier_wait_parity_warp(&full[st], parity);
+    if (p.initial_state != nullptr && slot >= 0) {
+      const InitT* src = ring + st * kDecodeItemElems + warp_row0 * kHeadDim + ch0;
 #pragma unroll
-    for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
+      for (int i = 0; i < kDecodeRowsPerWarp; ++i) load4(src + i * kHeadDim, s[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kDecodeRowsPerWarp; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    }
+    __syncthreads();  // every warp has its rows: the stage may be refilled
+    if (threadIdx.x == 0) {
+      const int64_t refill = item + static_cast<int64_t>(Ring::kStages) * gridDim.x;
+      if (refill < items) start_state_load(p, refill, ring + st * kDecodeItemElems, &full[st]);
+    }
+    if (++st == Ring::kStages) st = 0, parity ^= 1u;
+
+    for (int64_t t = b.bos; t < b.eos; ++t) {
+      const RawToken cur = next;
+      if (t + 1 < b.eos) next = load_token(p, t + 1, h, ch0, row0 + my_row);  // in flight during this token
+
+      // The token's preparation: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale, α = 2^γ, β = sigmoid(logit).
+      float kh[4], qt[4], alpha[4], gf[4];
+      prep::unpack4(cur.k, kh);
+      prep::unpack4(cur.q, qt);
+      prep::unpack4(cur.g, gf);
+      const float inv_k = prep::inv_norm(warp_sum(prep::sum_squares_4(kh)));
+      const float inv_q = prep::inv_norm(warp_sum(prep::sum_squares_4(qt)));
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        kh[c] = __fmul_rn(kh[c], inv_k);
+        qt[c] = __fmul_rn(__fmul_rn(qt[c], inv_q), p.scale);
+        const float x = __fmul_rn(__fadd_rn(gf[c], bias[c]), exp_a);
+        alpha[c] = ex2_approx(__fmul_rn(sigmoid_approx(x), gate_scale));
+      }
+      const float beta = sigmoid_approx(bf16_to_float(cur.beta));
+
+      // Decay, then r = v − S·k̂ per row (16 sums in one reduce-scatter), u = β·r on lanes 2i, 2i + 1.
+      float part[kDecodeRowsPerWarp];
+#pragma unroll
+      for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[i][c] = __fmul_rn(s[i][c], alpha[c]);
+        part[i] = dot4(s[i], kh);
+      }
+      const float u_mine = __fmul_rn(beta, __fsub_rn(bf16_to_float(cur.v), reduce_scatter_16(part, lane)));
+
+      // S += u·k̂ᵀ, u of row i from lane 2i; then the output partials o = S·q̃.
+#pragma unroll
+      for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
+        const float u = __shfl_sync(0xffffffffu, u_mine, 2 * i);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[i][c] = __fadd_rn(s[i][c], __fmul_rn(u, kh[c]));
+        part[i] = dot4(s[i], qt);
+      }
+      const float o = reduce_scatter_16(part, lane);
+      if ((lane & 1) == 0) {
+        static_cast<__nv_bfloat16*>(p.out)[(t * p.heads + h) * kHeadDim + row0 + my_row] = __float2bfloat16_rn(o);
+      }
+    }
+
+    if (p.final_state != nullptr && slot >= 0) {
+      FinalT* dst = static_cast<FinalT*>(p.final_state) + item_offset(p, slot, it) + warp_row0 * kHeadDim + ch0;
+#pragma unroll
+      for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
+    }
   }
 }
 
+// Persistent CTAs: as many as fit on the device at once (occupancy queried once per kernel and device), never
+// more than there are items.
 template <typename InitT, typename FinalT>
 void launch_typed(const FwdParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads), kDecodeParts);
-  kda_decode_kernel<InitT, FinalT><<<grid, kDecodeThreads, 0, stream>>>(p);
+  constexpr auto kernel = kda_decode_kernel<InitT, FinalT>;
+  constexpr int kSmem = DecodeRing<InitT>::kSmemBytes;
+  constexpr int kMaxDevices = 64;
+  static int ctas_per_device[kMaxDevices] = {};
+  int device = 0;
+  KDA_CUDA_CHECK(cudaGetDevice(&device));
+  opt_in_dynamic_smem<kernel>(kSmem);
+  int resident = device < kMaxDevices ? ctas_per_device[device] : 0;
+  if (resident == 0) {
+    int sms = 0, per_sm = 0;
+    KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    KDA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeThreads, kSmem));
+    resident = sms * (per_sm > 0 ? per_sm : 1);
+    if (device < kMaxDevices) ctas_per_device[device] = resident;
+  }
+  const int64_t items = p.num_seqs * p.heads * kDecodeParts;
+  const int64_t grid = items < resident ? items : resident;
+  kernel<<<static_cast<unsigned>(grid), kDecodeThreads, kSmem, stream>>>(p);
   KDA_CHECK_LAUNCH("kda_decode_kernel");
 }
 

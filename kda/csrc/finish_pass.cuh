@@ -17,12 +17,14 @@
 #include "kda/csrc/recurrence_step.cuh"
 #include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/smem_opt_in.h"
+#include "kda/csrc/state_slots.cuh"
 
 namespace kda {
 
 // The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
 // and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
-// whole sequence (blockIdx.x = n) and the start state is the caller's initial state.
+// whole sequence (blockIdx.x = n) and the start state is the caller's initial state. Both states are those of the
+// sequence's slot (state_slot: entry n, or its pool slot; none for a padding row).
 template <int kWarps, bool kWgmma>
 constexpr int kFinishThreads = (kWarps + (kWgmma ? 1 : 0)) * 32;  // the wgmma CTAs add a producer warp
 // kOverlap: the records past the lead arrive from the tail kernel while this grid runs (produce_records), and the
@@ -54,7 +56,6 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   const int64_t len = bounds.eos - bounds.bos;
   const int64_t num_chunks = (len + kChunk - 1) / kChunk;
-  const size_t state_offset = (static_cast<size_t>(n) * p.heads + h) * kHeadDim * kHeadDim;
 
   StateRows s;
   int64_t c0 = 0, count = num_chunks;
@@ -82,18 +83,22 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
       return;
     }
   }
+  // The sequence's state slot (state_slots.cuh; -1: start from zeros, write nothing), looked up where each state
+  // is touched rather than held in registers across the chunks.
+  const int64_t first_slot = split_start == nullptr && p.initial_state != nullptr ? state_slot(p, n) : -1;
   if (split_start != nullptr) {
     load_rows<float>(s, split_start, v_base, gi, ti);
-  } else if (p.initial_state != nullptr) {
-    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset, v_base, gi, ti);
+  } else if (first_slot >= 0) {
+    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset(p, first_slot, h), v_base, gi, ti);
   } else {
     fill_rows(s, 0.f);
   }
 
   run_chunks<kWarps, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
 
-  if (last && p.final_state != nullptr) {
-    store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
+  const int64_t last_slot = last && p.final_state != nullptr ? state_slot(p, n) : -1;
+  if (last_slot >= 0) {
+    store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, last_slot, h), s, v_base, gi, ti);
   }
 }
 

@@ -1,13 +1,11 @@
-// Work on a CUDA cu_seqlens that the host cannot do without a synchronisation, in one small launch before the
-// main kernels (so that they keep their registers):
-// - boundary checks: one thread per boundary lowers the device's error word (FwdParams::status) to the first
-//   malformed index. cu[0] must be 0, cu[N] the number of tokens, and cu must not decrease or leave
-//   [0, total_tokens]. The kernels themselves clamp malformed boundaries (memory stays safe); this records that
-//   the call's results are unspecified, for flash_kda.last_error;
+// Work on a CUDA cu_seqlens and CUDA state_indices that the host cannot do without a synchronisation, in one
+// small launch before the main kernels of the chunked plans (so that they keep their registers):
+// - the boundary and state index checks (input_checks.cuh): one thread per boundary and per sequence;
 // - the longest-first order (kda_params.h): CTA 0 ranks the sequences by their (clamped) length, longest first,
 //   ties by index, so the table is a permutation whatever the boundaries.
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
+#include "kda/csrc/input_checks.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 
@@ -19,14 +17,7 @@ constexpr int kCheckThreads = 256;
 static_assert(kLongestFirstMaxSeqs <= kCheckThreads, "one CTA ranks every sequence");
 
 __global__ void __launch_bounds__(kCheckThreads) kda_check_boundaries_kernel(const FwdParams p) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kCheckThreads + threadIdx.x;
-  if (p.status != nullptr && i <= p.num_seqs) {
-    const int64_t v = load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i);
-    const bool bad = v < 0 || v > p.total_tokens || (i == 0 && v != 0) ||
-                     (i == p.num_seqs && v != p.total_tokens) ||
-                     (i > 0 && load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i - 1) > v);
-    if (bad) atomicMin(p.status, static_cast<unsigned long long>(i));
-  }
+  check_call_inputs(p, static_cast<int64_t>(blockIdx.x) * kCheckThreads + threadIdx.x);
   if (p.longest_first && blockIdx.x == 0) {  // CTA-uniform
     __shared__ int64_t lengths[kCheckThreads];
     const int n = threadIdx.x, N = static_cast<int>(p.num_seqs);
@@ -48,7 +39,8 @@ __global__ void __launch_bounds__(kCheckThreads) kda_check_boundaries_kernel(con
 }  // namespace
 
 void launch_boundary_check(const FwdParams& p, cudaStream_t stream) {
-  if (p.cu_seqlens == nullptr || (p.status == nullptr && !p.longest_first)) return;
+  const bool checks = p.status != nullptr && (p.cu_seqlens != nullptr || p.state_indices != nullptr);
+  if (!checks && !p.longest_first) return;  // (longest first implies cu_seqlens)
   const int64_t blocks = (p.num_seqs + 1 + kCheckThreads - 1) / kCheckThreads;
   kda_check_boundaries_kernel<<<static_cast<unsigned>(blocks), kCheckThreads, 0, stream>>>(p);
   KDA_CHECK_LAUNCH("kda_check_boundaries_kernel");

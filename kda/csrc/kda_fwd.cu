@@ -28,12 +28,12 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
     throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
                                 " bytes, the call needs " + std::to_string(needed));
   }
-  launch_boundary_check(p, stream);
-  if (p.num_seqs == 0 || p.heads == 0) return;
-  if (p.decode) {
-    launch_decode(p, stream);
+  if (p.decode && p.num_seqs > 0 && p.heads > 0) {
+    launch_decode(p, stream);  // which runs the input checks itself
     return;
   }
+  launch_boundary_check(p, stream);
+  if (p.num_seqs == 0 || p.heads == 0) return;
   if (p.single_pass) {
     launch_single_pass(p, stream);
     return;

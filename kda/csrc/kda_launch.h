@@ -22,10 +22,12 @@ void launch_segment_compose(const FwdParams& p, cudaStream_t stream);
 void launch_recurrence(const FwdParams& p, cudaStream_t stream);
 // The single pass (plan.single_pass): preparation and recurrence in one kernel, no workspace (single_pass.cuh).
 void launch_single_pass(const FwdParams& p, cudaStream_t stream);
-// The decode kernel (plan.decode): token by token, the state in fp32 registers, no workspace (decode.cu).
+// The decode kernel (plan.decode): token by token, the state in fp32 registers, no workspace; it also runs the
+// input checks of launch_boundary_check (decode.cu).
 void launch_decode(const FwdParams& p, cudaStream_t stream);
 
-// Records a malformed CUDA cu_seqlens in the device's error word (kda_checks.cu); no-op without one.
+// Records a malformed CUDA cu_seqlens or state index in the device's error word and, for longest first, ranks the
+// sequences (kda_checks.cu); no-op without either.
 void launch_boundary_check(const FwdParams& p, cudaStream_t stream);
 
 // Whole forward: checks the plan and the workspace size, then enqueues the stages on `stream` (kda_fwd.cu).

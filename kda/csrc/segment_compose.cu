@@ -16,6 +16,7 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/state_slots.cuh"
 #include "kda/csrc/window_table.cuh"
 
 namespace kda {
@@ -109,9 +110,9 @@ __global__ void __launch_bounds__(kComposeWarps * 32) kda_segment_compose_kernel
   LinkOperands even, odd;  // operands of the even / odd links (two register sets, no copies between them)
   load_link(even, data_of(0), r0, c, g, t, lane);
   Block acc;
-  if (p.initial_state != nullptr) {
-    const size_t offset = (static_cast<size_t>(n) * p.heads + h) * kHeadDim * kHeadDim;
-    load_block<StateT>(acc, static_cast<const StateT*>(p.initial_state) + offset, r0, c, g, t);
+  const int64_t slot = p.initial_state != nullptr ? state_slot(p, n) : -1;  // -1: the chain starts from zeros
+  if (slot >= 0) {
+    load_block<StateT>(acc, static_cast<const StateT*>(p.initial_state) + state_offset(p, slot, h), r0, c, g, t);
   } else {
 #pragma unroll
     for (int q = 0; q < kTilesPerWarp; ++q) {

@@ -14,6 +14,7 @@
 #include "kda/csrc/recurrence_step.cuh"
 #include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/smem_opt_in.h"
+#include "kda/csrc/state_slots.cuh"
 
 namespace kda {
 
@@ -50,11 +51,13 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
   const int64_t len = bounds.eos - bounds.bos;
   const int64_t num_chunks = (len + kChunk - 1) / kChunk;
-  const size_t state_offset = (static_cast<size_t>(n) * p.heads + h) * kHeadDim * kHeadDim;
+  // The sequence's state slot (state_slots.cuh; -1: start from zeros, write nothing), looked up where each state
+  // is touched rather than held in registers across the chunks.
+  const int64_t first_slot = p.initial_state != nullptr ? state_slot(p, n) : -1;
 
   StateRows s;
-  if (p.initial_state != nullptr) {
-    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset, v_base, gi, ti);
+  if (first_slot >= 0) {
+    load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset(p, first_slot, h), v_base, gi, ti);
   } else {
     fill_rows(s, 0.f);
   }
@@ -92,8 +95,9 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
     __syncthreads();  // every warp's last products have read the ring before the next block overwrites it
   }
 
-  if (p.final_state != nullptr) {
-    store_rows(static_cast<FinalT*>(p.final_state) + state_offset, s, v_base, gi, ti);
+  const int64_t last_slot = p.final_state != nullptr ? state_slot(p, n) : -1;
+  if (last_slot >= 0) {
+    store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, last_slot, h), s, v_base, gi, ti);
   }
 }
 

@@ -1,11 +1,11 @@
 // Where a sequence's state lives: entry n of the state tensors, or with pooled states (FwdParams::state_indices)
-// the pool slot state_indices[n]. The decode kernel reads and writes states through state_slot; pooled states on
-// every plan need the other kernels to do the same (flash_kda.fwd does not pass indices yet).
+// the pool slot state_indices[n]. Every kernel that reads or writes a state finds it through state_slot.
 #pragma once
 
 #include <cstdint>
 
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/status_word.h"  // kStatusStateIndexBase
 
 namespace kda {
 
@@ -18,8 +18,9 @@ __device__ __forceinline__ int64_t state_slot(const FwdParams& p, int64_t n) {
   return slot >= 0 && slot < p.pool_slots ? slot : -1;
 }
 
-// The status-word code of a state index outside the pool (sequence n): above every cu_seqlens index, so the word
-// still names the first malformed cu_seqlens boundary when there is one (flash_kda.last_error decodes both).
-constexpr unsigned long long kStatusStateIndexBase = 1ull << 40;
+// Element offset of head h's state in slot `slot` (>= 0) of a state tensor [slots, H, V, K].
+__device__ __forceinline__ size_t state_offset(const FwdParams& p, int64_t slot, int h) {
+  return (static_cast<size_t>(slot) * p.heads + h) * kHeadDim * kHeadDim;
+}
 
 }  // namespace kda

@@ -16,6 +16,10 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
   shape — short, ragged, empty and one-token sequences, every state mode — against the twin's re-enactment.
 - ``forced_single_pass``: the same cases again under the single pass (one kernel prepares each block of 8 chunks
   into shared memory and runs it), which the plan picks for batches of many (sequence, head) pairs.
+- ``pool``: pooled states (``state_indices``): random slot permutations of pools larger than the batch, padding
+  rows (negative indices), one-slot pools, in place and two pools, both state dtypes and mixed, int32 and int64
+  indices (on the device, and on the host), fixed and varlen, under every plan kind (forced: two stages, single
+  pass, time splits of 1-3 chunks with V splits, the overlap with a lead on fixed lengths, V splits 2/4/8).
 - ``forced_overlap``: the fixed-length cases among them again under the overlap (the preparation's tail on the
   SMs the recurrence leaves free, behind ready flags), with leads of 0, 1, 2 and 5 chunks in turn, so that
   records from both preparation kernels meet in every kind of sequence; the plan picks it for T8192 H96-like
@@ -60,7 +64,7 @@ DECODE_BATCHED_BT = ((8, 1), (4, 3), (3, 16))
 DECODE_FORCED_MAX_TOKENS = 4096  # longest sequence of a forced_decode case
 SLICES = (
     "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
-    "forced_vsplit", "forced_tsplit", "forced_single_pass", "forced_overlap", "decode", "forced_decode",
+    "forced_vsplit", "forced_tsplit", "forced_single_pass", "forced_overlap", "pool", "decode", "forced_decode",
 )  # fmt: skip
 FORCED_V_SPLITS = (1, 2, 4, 8)
 FORCED_SEGMENT_CHUNKS = (1, 2, 3, 5, 8)
@@ -102,6 +106,10 @@ class Case:
     decode: bool | None = None  # the decode kernel forced on (True) or off (False); None: automatic
     final_dtype: str = ""  # final_state's dtype when it differs from state_dtype (fla: bf16 in, fp32 out)
     param_dtype: str = "fp32"  # A_log and dt_bias ("bf16" / "fp16": a model cast with layer.to(bf16))
+    pool: int = 0  # P > 0: the states are pools of P slots, sequence n in slot state_indices[n]; 0: dense states
+    padding: int = 0  # with a pool: this many sequences get a negative index (no slot)
+    indices_int32: bool = False  # with a pool: int32 state_indices (else int64)
+    indices_on_host: bool = False  # with a pool: state_indices on the CPU (copied through the workspace)
     seed: int = -1  # -1: derived from the id
 
     def __post_init__(self) -> None:
@@ -116,6 +124,8 @@ class Case:
         assert self.inputs in INPUT_RECIPES, self.inputs
         assert not self.inplace_state or self.state_io == "in+out"
         assert not self.final_dtype or (self.has_final and not self.inplace_state)
+        assert self.pool >= 0 and 0 <= self.padding <= self.num_seqs
+        assert not self.pool or (self.state_io != "no_state" and self.pool >= self.num_seqs - self.padding)
 
     @property
     def varlen(self) -> bool:
@@ -166,6 +176,9 @@ class Case:
             extras.append(f"final={self.final_dtype}")
         if self.param_dtype != "fp32":
             extras.append(f"params={self.param_dtype}")
+        if self.pool:
+            extras.append(f"pool{self.pool}" + (f"_pad{self.padding}" if self.padding else "")
+                          + ("_idx=int32" if self.indices_int32 else "") + ("_idx=host" if self.indices_on_host else ""))
         if self.slice in ("smoke", "adversarial", "decode"):  # their shapes recur in other slices
             extras.insert(0, {"adversarial": "adv", "smoke": "smoke", "decode": "short"}[self.slice])
         if self.v_split:
@@ -307,6 +320,36 @@ def _forced_overlap(base: list[Case]) -> list[Case]:
     return list(cases.values())
 
 
+def _pool() -> list[Case]:
+    """Pooled states on every plan kind: shapes x (P, padding) x state configurations x forced plans, cycled so
+    that each plan meets every kind of shape and pool without the product's size."""
+    shapes = [dict(B=3, T=97, H=4), dict(B=2, T=37, H=2), dict(B=8, T=20, H=2), dict(seqlens=(17, 0, 65, 5), H=4),
+              dict(seqlens=(100, 16, 1, 33, 0), H=2)]
+    pools = [(3, 1), (0, 0), (0, -1)]  # (extra slots, padding): P = N - padding + extra; -1: all padded but one
+    states = [("in+out", "bf16", False, ""), ("in+out", "fp32", True, ""), ("in_only", "fp32", False, ""),
+              ("out_only", "bf16", False, ""), ("in+out", "bf16", False, "fp32"), ("in+out", "fp32", False, "")]
+    plans = [dict(), dict(single_pass=False, lead_chunks=-1), dict(single_pass=True),
+             dict(segment_chunks=1, v_split=8), dict(segment_chunks=2, v_split=1), dict(segment_chunks=3, v_split=4),
+             dict(lead_chunks=2), dict(lead_chunks=0), dict(v_split=2), dict(v_split=4), dict(v_split=8),
+             dict(decode=True)]
+    cases: dict[str, Case] = {}
+    i = 0
+    for shape in shapes:
+        N = len(shape["seqlens"]) if "seqlens" in shape else shape["B"]
+        for extra, padding in pools:
+            padding = N - 1 if padding < 0 else padding
+            P = N - padding + extra
+            for io, dt, inplace, final in states:
+                plan = plans[i % len(plans)]
+                i += 1
+                if "seqlens" in shape and "lead_chunks" in plan and plan["lead_chunks"] >= 0:
+                    plan = dict(segment_chunks=1, v_split=2)  # the overlap takes fixed lengths only
+                case = Case("pool", **shape, state_io=io, state_dtype=dt, inplace_state=inplace, final_dtype=final,
+                            pool=P, padding=padding, indices_int32=i % 3 == 0, indices_on_host=i % 7 == 0, **plan)
+                cases.setdefault(case.id, case)
+    return list(cases.values())
+
+
 def _decode() -> list[Case]:
     cases = [
         Case("decode", H=h, T=t, state_io=io, state_dtype=dt)
@@ -353,7 +396,7 @@ def all_cases() -> list[Case]:
     adversarial = _adversarial()
     cases += base + _long_context() + adversarial + _forced_vsplit(base + adversarial)
     cases += _forced_tsplit(base + adversarial) + _forced_single_pass(base + adversarial)
-    cases += _forced_overlap(base + adversarial)
+    cases += _forced_overlap(base + adversarial) + _pool()
     cases += _decode() + _forced_decode(base + adversarial)
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
@@ -417,14 +460,29 @@ def make_inputs(case: Case, device) -> dict:
         beta.fill_(float(recipe[5:]))
     state_dtype = getattr(torch, DTYPES[case.state_dtype]) if case.state_dtype != "none" else None
     N = case.num_seqs
-    initial_state = randn(N, H, D, D, dtype=state_dtype) if case.has_initial else None
+    rows = case.pool or N  # state rows: one per sequence, or the pool's slots
+    initial_state = randn(rows, H, D, D, dtype=state_dtype) if case.has_initial else None
     if case.inplace_state:
         final_state = initial_state
     elif case.has_final:
         final_dtype = getattr(torch, DTYPES[case.final_dtype]) if case.final_dtype else state_dtype
-        final_state = torch.full((N, H, D, D), float("nan"), dtype=final_dtype, device=device)
+        final_state = torch.full((rows, H, D, D), float("nan"), dtype=final_dtype, device=device)
     else:
         final_state = None
+    state_indices = None
+    if case.pool:
+        # A random permutation's first slots for the sequences, negative indices (of several values) for
+        # `padding` of them at random positions; drawn on the CPU, so the same on every device.
+        host = torch.Generator().manual_seed(case.seed)
+        slots = torch.randperm(case.pool, generator=host)[: N - case.padding]
+        padded = torch.zeros(N, dtype=torch.bool)
+        padded[torch.randperm(N, generator=host)[: case.padding]] = True
+        indices = torch.zeros(N, dtype=torch.int64)
+        indices[padded] = -1 - torch.arange(case.padding) % 3
+        indices[~padded] = slots
+        state_indices = indices.to(torch.int32 if case.indices_int32 else torch.int64)
+        if not case.indices_on_host:
+            state_indices = state_indices.to(device)
     cu_seqlens = None
     if case.varlen:
         cu = [0]
@@ -434,14 +492,31 @@ def make_inputs(case: Case, device) -> dict:
     return dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=D**-0.5, out=torch.full_like(v, float("nan")), A_log=A_log,
         dt_bias=dt_bias, lower_bound=case.lower_bound, initial_state=initial_state, final_state=final_state,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu_seqlens, state_indices=state_indices,
     )  # fmt: skip
 
 
-INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens")
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "state_indices")
+FWD_NAMES = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound", "initial_state",
+             "final_state", "cu_seqlens", "state_indices")  # flash_kda.fwd's arguments (state_indices by keyword)
 
 
 def twin_args(inputs: dict) -> dict:
-    """The keyword arguments of numerics.twin_forward / cpu_forward / reference_* for ``inputs``."""
+    """The keyword arguments of numerics.twin_forward / cpu_forward / reference_* for ``inputs`` (with a pool:
+    ``final_state`` is the pool as ``inputs`` hold it, the base of the pool the references return)."""
     keys = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
-    return {name: inputs[name] for name in keys}
+    args = {name: inputs[name] for name in keys}
+    if inputs.get("state_indices") is not None:
+        args["state_indices"] = inputs["state_indices"]
+        args["final_state"] = inputs["final_state"]
+    return args
+
+
+def same_bits(a, b) -> bool:
+    """Whether two tensors hold the same values bit for bit, NaNs (the poison of untouched pool slots) included."""
+    import torch  # noqa: PLC0415
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    return torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype])) if a.dtype in ints else torch.equal(a, b)

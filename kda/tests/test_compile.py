@@ -8,6 +8,8 @@ validation errors. GPU test: the same module with CUDA tensors, compiled, equals
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -77,8 +79,22 @@ def test_operator_equals_fwd_cpu():
     fin_a, fin_b = torch.empty_like(x["initial_state"]), torch.empty_like(x["initial_state"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
     flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_a)
-    torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_b, None, None)
+    torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_b, None, None,
+                            None)
     assert torch.equal(out_a, out_b) and torch.equal(fin_a, fin_b)
+
+
+def test_operator_equals_fwd_cpu_with_pools():
+    """The operator's 15th argument, state_indices: pools of 3 slots, one padding row, in place."""
+    x = make_inputs("cpu", B=3)
+    indices = torch.tensor([2, -1, 0])
+    pool = torch.randn(3, *x["initial_state"].shape[1:]).to(x["initial_state"].dtype)
+    pool_a, pool_b = pool.clone(), pool.clone()
+    out_a, out_b = torch.empty_like(x["v"]), torch.empty_like(x["v"])
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
+    flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, pool_a, pool_a, state_indices=indices)
+    torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, pool_b, pool_b, None, None, indices)
+    assert torch.equal(out_a, out_b) and torch.equal(pool_a, pool_b)
 
 
 def _fake_cuda_call(**changes):
@@ -88,7 +104,7 @@ def _fake_cuda_call(**changes):
                     beta=torch.empty(1, 32, 4, dtype=torch.bfloat16, device="cuda"), scale=0.1,
                     out=torch.empty_like(q), A_log=torch.empty(4, device="cuda"),
                     dt_bias=torch.empty(4, D, device="cuda"), lower_bound=-5.0, initial_state=None,
-                    final_state=None, cu_seqlens=None, workspace=None)  # fmt: skip
+                    final_state=None, cu_seqlens=None, workspace=None, state_indices=None)  # fmt: skip
         args.update({name: make(q) if callable(make) else make for name, make in changes.items()})
         result = torch.ops.flash_kda.fwd(**args)
         return result, args
@@ -104,6 +120,18 @@ def test_fake_cuda_tensors_trace_without_a_gpu():
     schema = torch.ops.flash_kda.fwd.default._schema
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"out", "final_state", "workspace"}, written
+    assert len(schema.arguments) == 15 and schema.arguments[-1].name == "state_indices"
+
+
+def test_fake_cuda_pools_trace_and_bad_indices_are_refused():
+    """Pools with CUDA or CPU indices trace; a bad index tensor fails at trace time with fwd's message."""
+    pool = lambda q: torch.empty(6, 4, D, D, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    for device in ("cuda", "cpu"):
+        result, _ = _fake_cuda_call(initial_state=pool, final_state=pool,
+                                    state_indices=lambda q, d=device: torch.empty(1, dtype=torch.int32, device=d))
+        assert result is None
+    with pytest.raises(ValueError, match=re.escape("state_indices must be 1-D [N] = [1]")):
+        _fake_cuda_call(initial_state=pool, state_indices=lambda q: torch.empty(2, dtype=torch.int64, device="cuda"))
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,93 @@ def test_time_split_composes_to_the_unsplit_forward(case: matrix.Case, segment_c
         assert compare.compare(state_zero, state0).rel_l2 > 1e-2
 
 
+# --- pooled states (state_indices) -------------------------------------------------------------------------
+
+
+def _pool_cases() -> list[matrix.Case]:
+    """The pool slice's shapes and pools on the CPU (plans do not exist here: one case per id without them)."""
+    cases: dict[str, matrix.Case] = {}
+    for c in matrix.cases("pool"):
+        c = matrix.replace(c, v_split=0, segment_chunks=-1, single_pass=None, lead_chunks=-2, indices_on_host=False)
+        cases.setdefault(c.id, c)
+    return list(cases.values())
+
+
+POOL_CASES = _pool_cases()
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: c.id)
+def test_pooled_call_equals_the_dense_call_on_gathered_states(case: matrix.Case) -> None:
+    """fwd with pools == fwd with the dense states of the named slots (zeros for padding rows), bit for bit; the
+    final states land in the named slots and every other slot keeps its bits (NaN poison or initial values)."""
+    from flash_kda import pools  # noqa: PLC0415
+
+    x = matrix.make_inputs(case, "cpu")
+    indices = x["state_indices"]
+    initial_before = None if x["initial_state"] is None else x["initial_state"].clone()
+    final_before = x["final_state"].clone() if x["final_state"] is not None else None
+    flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
+    assert torch.equal(x["state_indices"], indices) and x["state_indices"].dtype == indices.dtype
+
+    dense = {**x, "out": torch.full_like(x["out"], float("nan")), "state_indices": None}
+    dense["initial_state"] = None if initial_before is None else pools.gather(initial_before, indices)
+    dense["final_state"] = None
+    if case.has_final:
+        dense["final_state"] = torch.full((case.num_seqs, *x["final_state"].shape[1:]), float("nan"),
+                                          dtype=x["final_state"].dtype)
+    flash_kda.fwd(**{n: dense[n] for n in matrix.FWD_NAMES})
+    compare.assert_bitwise_equal(x["out"], dense["out"], "out")
+    if not case.has_final:
+        if initial_before is not None:
+            assert torch.equal(x["initial_state"], initial_before), "initial_state modified"
+        return
+    sequences, slots = pools.named(indices, case.pool)
+    compare.assert_bitwise_equal(x["final_state"][slots], dense["final_state"][sequences], "named slots")
+    untouched = torch.ones(case.pool, dtype=torch.bool)
+    untouched[slots] = False
+    base = initial_before if case.inplace_state else final_before
+    assert matrix.same_bits(x["final_state"][untouched], base[untouched]), "slots no sequence names changed"
+    if initial_before is not None and not case.inplace_state:
+        assert torch.equal(x["initial_state"], initial_before), "initial_state modified"
+
+
+@pytest.mark.parametrize("case", POOL_CASES[::5], ids=lambda c: c.id)
+def test_pooled_cpu_path_matches_pooled_float64(case: matrix.Case) -> None:
+    """The references take pools too (gather, run, scatter): the CPU path's pool against float64's."""
+    x = matrix.make_inputs(case, "cpu")
+    args = matrix.twin_args(x)
+    if x["initial_state"] is not None:
+        args["initial_state"] = x["initial_state"].clone()
+    if case.has_final:
+        args["final_state"] = x["final_state"].clone()
+    flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
+    ref_out, ref_pool = reference.reference_chunked(**args)
+    floor = compare.compare(ref_out.to(torch.bfloat16), ref_out).rel_l2
+    compare.compare(x["out"], ref_out).check(rel_l2=FLOOR_FACTOR * floor, name="out")
+    if case.has_final:
+        named = ~torch.isnan(ref_pool.flatten(1)).any(1)  # slots the call wrote (others keep NaN or initial values)
+        if case.inplace_state:
+            named = torch.ones(case.pool, dtype=torch.bool)
+        got, want = x["final_state"][named], ref_pool[named]
+        bound = FP32_STATE_REL_L2 if got.dtype == torch.float32 else (
+            FLOOR_FACTOR * compare.compare(want.to(torch.bfloat16), want).rel_l2)
+        compare.compare(got, want).check(rel_l2=bound, name="final pool")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["two_pools", "in_place"])
+def test_pooled_call_without_tokens_copies_named_slots(in_place) -> None:
+    case = matrix.Case("pool", H=2, B=3, T=0, state_dtype="bf16", pool=5, inplace_state=in_place)
+    x = matrix.make_inputs(case, "cpu")
+    x["state_indices"] = torch.tensor([4, -1, 1], dtype=torch.int32)
+    initial = x["initial_state"].clone()
+    flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
+    assert torch.equal(x["final_state"][[4, 1]], initial[[4, 1]])
+    if in_place:
+        assert torch.equal(x["final_state"], initial)
+    else:
+        assert torch.isnan(x["final_state"][[0, 2, 3]].float()).all()
+
+
 DECODE_CASES = [
     matrix.Case("decode", H=4, T=t, state_dtype=dt) for t in (1, 2, 3, 5, 8, 15, 16) for dt in matrix.STATE_DTYPES
 ] + [matrix.Case("decode", H=2, seqlens=s, state_io=io, state_dtype="fp32")

@@ -4,7 +4,9 @@ Every case (matrix.py; ``--kda-slice`` picks slices):
 1. builds its inputs on the GPU from its seed, NaN-poisons ``out`` and ``final_state``;
 2. calls ``flash_kda.fwd`` (under ``flash_kda.testing.force_plan`` when the case forces a part of the plan);
 3. asserts ``torch.equal`` with ``numerics.twin_forward`` (re-enacting the plan's time split, or the decode
-   kernel's token-by-token arithmetic) on out and on final_state (cast to the state dtype);
+   kernel's token-by-token arithmetic) on out and on final_state (cast to the state dtype); with pooled states
+   (the ``pool`` slice) on the whole final pool, NaN poison included: the slots no sequence names keep their
+   values bit for bit;
 4. asserts the inputs are unchanged (bitwise, against clones taken before the call);
 5. compares with the float64 ground truth ``reference.reference_chunked`` (on the GPU): relative L2 of out and
    final_state, and the worst relative L2 over windows of WINDOW tokens of out (per sequence); the decode slice
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 import flash_kda
-from flash_kda import compare, reference, testing
+from flash_kda import compare, pools, reference, testing
 
 pytestmark = pytest.mark.gpu
 
@@ -60,8 +62,7 @@ class _Stages:
 
 
 def _fwd_args(x: dict) -> dict:
-    names = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound")
-    return {**{n: x[n] for n in names}, **{n: x[n] for n in ("initial_state", "final_state", "cu_seqlens")}}
+    return {n: x.get(n) for n in matrix.FWD_NAMES}
 
 
 def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
@@ -76,6 +77,9 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     before = {n: x[n].clone() for n in matrix.INPUT_NAMES if x[n] is not None}
     # The twin and the reference start from the initial state as it was before the call (in-place case).
     args = {**matrix.twin_args(x), "initial_state": before.get("initial_state")}
+    if case.pool:  # and return the final pool from the pool as it was (NaN poison, or the initial pool in place)
+        args["final_state"] = (before.get("initial_state") if case.inplace_state or not case.has_final
+                               else x["final_state"].clone())
     stage("inputs")
 
     forced_segments = case.segment_chunks if case.segment_chunks >= 0 else None
@@ -95,8 +99,18 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
         failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")
     if case.has_final:
         twin_state = twin_state.to(x["final_state"].dtype)
-        if not torch.equal(x["final_state"], twin_state):
-            failures.append(f"final_state != twin: {compare.bitwise_mismatch(x['final_state'], twin_state)}")
+        actual = x["final_state"]
+        if case.pool:  # the named slots against the twin; the others against the pool before the call, below
+            _, slots = pools.named(x["state_indices"], case.pool)
+            actual, twin_state = actual[slots], twin_state[slots]
+        if not torch.equal(actual, twin_state):
+            failures.append(f"final_state != twin: {compare.bitwise_mismatch(actual, twin_state)}")
+    if case.pool and case.has_final:
+        untouched = torch.ones(case.pool, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        base = args["final_state"].to(x["final_state"].dtype)
+        if not matrix.same_bits(x["final_state"][untouched.cuda()], base[untouched.cuda()]):
+            failures.append(f"pool slots no sequence names changed (named: {slots.tolist()})")
 
     for name, saved in before.items():
         if name == "initial_state" and case.inplace_state:
@@ -117,7 +131,11 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     record("out_window_rel_l2", report.window_rel_l2)
     line = f"[{case.id}] {plan} out vs float64: rel_l2={report.rel_l2:.3e} window={report.window_rel_l2:.3e}"
     if case.has_final:
-        state_report = compare.compare(x["final_state"], ref_state)
+        got_state, ref_state = x["final_state"], ref_state
+        if case.pool:  # the float64 bound on the slots the sequences wrote
+            _, slots = pools.named(x["state_indices"], case.pool)
+            got_state, ref_state = got_state[slots.cuda()], ref_state[slots.cuda()]
+        state_report = compare.compare(got_state, ref_state)
         record(f"state_{case.state_dtype}_rel_l2", state_report.rel_l2)
         line += f" state rel_l2={state_report.rel_l2:.3e}"
         try:
@@ -245,3 +263,119 @@ def test_well_formed_cu_seqlens_leave_no_error() -> None:
     for cu in (x["cu_seqlens"], x["cu_seqlens"].to(torch.int32)):
         flash_kda.fwd(**{**_fwd_args(x), "cu_seqlens": cu})
     assert flash_kda.last_error() is None
+
+
+# --- pooled states that are not one input set -------------------------------------------------------------------
+
+_POOL_PLANS = {
+    "auto": dict(),
+    "two_stage": dict(single_pass=False, lead_chunks=-1),
+    "single_pass": dict(single_pass=True),
+    "tsplit1_vsplit8": dict(segment_chunks=1, v_split=8),
+    "tsplit2_vsplit1": dict(segment_chunks=2, v_split=1, scan_v_split=1),
+    "vsplit4": dict(v_split=4),
+    "lead2": dict(lead_chunks=2),
+}
+
+
+@pytest.mark.kda_slice("pool")
+@pytest.mark.parametrize("plan", sorted(_POOL_PLANS))
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_pool_index_past_the_pool_is_memory_safe(plan, varlen, index_dtype) -> None:
+    """A CUDA state index >= P is never used: that sequence runs from zeros and writes nothing (no memory outside
+    the pool is touched), the others get the bits of a call where it is a padding row, and last_error names it."""
+    if varlen and "lead_chunks" in _POOL_PLANS[plan]:
+        pytest.skip("the overlap runs fixed-length batches only")
+    shape = dict(seqlens=(40, 0, 97)) if varlen else dict(B=3, T=97)
+    case = matrix.Case("pool", H=4, **shape, state_dtype="fp32", pool=4)
+    x = matrix.make_inputs(case, "cuda")
+    bad = torch.tensor([2, 7, 0], dtype=index_dtype, device="cuda")
+    padded = torch.tensor([2, -1, 0], dtype=index_dtype, device="cuda")
+    expected = {**x, "out": torch.full_like(x["out"], float("nan")), "final_state": x["final_state"].clone(),
+                "state_indices": padded}
+    assert flash_kda.last_error() is None  # nothing pending from earlier tests
+    with testing.force_plan(**_POOL_PLANS[plan]):
+        flash_kda.fwd(**_fwd_args({**x, "state_indices": bad}))
+        torch.cuda.synchronize()  # a device fault would surface here
+        message = flash_kda.last_error()
+        assert message is not None and "state_indices[1]" in message and "P = 4" in message, message
+        assert flash_kda.last_error() is None  # the query resets the word
+        flash_kda.fwd(**_fwd_args(expected))
+    assert flash_kda.last_error() is None  # negative indices are not errors
+    compare.assert_bitwise_equal(x["out"], expected["out"], "out")
+    assert matrix.same_bits(x["final_state"], expected["final_state"]), "final pool differs from the padded call's"
+    assert torch.isnan(x["final_state"][[1, 3]]).all(), "slots no valid index names were written"
+
+
+@pytest.mark.kda_slice("pool")
+def test_pool_malformed_cu_seqlens_is_reported_before_a_bad_state_index() -> None:
+    case = matrix.Case("pool", H=2, seqlens=(40, 0, 97), state_dtype="bf16", pool=3)
+    x = matrix.make_inputs(case, "cuda")
+    x["cu_seqlens"] = torch.tensor([0, 50, 30, 137], dtype=torch.int64, device="cuda")
+    x["state_indices"] = torch.tensor([0, 5, 1], device="cuda")
+    flash_kda.fwd(**_fwd_args(x))
+    message = flash_kda.last_error()
+    assert message is not None and "cu_seqlens[2]" in message, message
+    x["cu_seqlens"] = torch.tensor([0, 30, 30, 137], dtype=torch.int64, device="cuda")
+    flash_kda.fwd(**_fwd_args(x))
+    message = flash_kda.last_error()
+    assert message is not None and "state_indices[1]" in message and "P = 3" in message, message
+
+
+@pytest.mark.kda_slice("pool")
+@pytest.mark.parametrize("in_place", [False, True], ids=["two_pools", "in_place"])
+def test_pool_graph_replay_reads_new_indices(in_place) -> None:
+    """The kernels read CUDA state_indices at every launch: a replay after new slots (and padding rows) are
+    written into the captured index tensor equals an eager call with them."""
+    case = matrix.Case("pool", H=4, B=4, T=37, state_dtype="bf16", pool=6, inplace_state=in_place)
+    x = matrix.make_inputs(case, "cuda")
+    pool0 = x["initial_state"].clone()
+    final0 = x["final_state"].clone()
+    workspace = torch.empty(flash_kda.workspace_bytes(x["q"], None, x["state_indices"]), dtype=torch.uint8,
+                            device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_kda.fwd(**_fwd_args(x), workspace=workspace)  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            flash_kda.fwd(**_fwd_args(x), workspace=workspace)
+    torch.cuda.current_stream().wait_stream(side)
+    for indices in ([5, -1, 0, 2], [-1, -1, 3, -2], [1, 2, 3, 4]):
+        eager = {**x, "initial_state": pool0.clone(), "out": torch.full_like(x["out"], float("nan")),
+                 "state_indices": torch.tensor(indices, device="cuda")}
+        eager["final_state"] = eager["initial_state"] if in_place else final0.clone()
+        flash_kda.fwd(**_fwd_args(eager))
+        x["initial_state"].copy_(pool0)
+        x["final_state"].copy_(pool0 if in_place else final0)
+        x["out"].fill_(float("nan"))
+        x["state_indices"].copy_(eager["state_indices"])
+        graph.replay()
+        torch.cuda.synchronize()
+        compare.assert_bitwise_equal(x["out"], eager["out"], f"out of the replay with {indices}")
+        assert matrix.same_bits(x["final_state"], eager["final_state"]), f"final pool of the replay with {indices}"
+
+
+@pytest.mark.kda_slice("pool")
+@pytest.mark.parametrize("T", [0, 20])
+@pytest.mark.parametrize("H", [0, 2])
+def test_pool_call_without_tokens_copies_named_slots(T, H) -> None:
+    """B·T = 0 or H = 0 launches nothing; each named slot of final_state gets its initial state, others stay."""
+    if T and H:
+        pytest.skip("a call with tokens")
+    case = matrix.Case("pool", H=max(H, 1), B=3, T=T, state_dtype="fp32", pool=5)
+    x = matrix.make_inputs(case, "cuda")
+    if H == 0:
+        x = matrix.make_inputs(case, "cuda")
+        for name in ("q", "k", "v", "g", "out"):
+            x[name] = x[name][:, :, :0].contiguous()
+        x["beta"] = x["beta"][:, :, :0].contiguous()
+        x["A_log"], x["dt_bias"] = x["A_log"][:0].contiguous(), x["dt_bias"][:0].contiguous()
+        x["initial_state"] = x["initial_state"][:, :0].contiguous()
+        x["final_state"] = x["final_state"][:, :0].contiguous()
+    x["state_indices"] = torch.tensor([4, -1, 1], device="cuda")
+    final = x["final_state"]
+    flash_kda.fwd(**_fwd_args(x))
+    assert torch.equal(final[[4, 1]], x["initial_state"][[4, 1]])
+    assert torch.isnan(final[[0, 2, 3]]).all()

@@ -7,8 +7,10 @@ sequence of more than one block of 8 chunks, empty ones, a partial chunk) and th
 records, a partial chunk) and the decode kernel (one and 16 tokens, empty sequences, both state dtypes, in place,
 and forced over longer sequences), then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
 0, negative, a last one short of T) under every plan kind that takes cu_seqlens (two stages, longest first, the
-single pass, the time split with and without a V split, the decode kernel), each naming its first bad index through
-``flash_kda.last_error``, under each tool; the test asserts exit
+single pass, the time split with and without a V split, the decode kernel), each naming its first bad index
+through ``flash_kda.last_error``, then pooled states (padding rows, in place, every plan kind) and a state index past
+the pool under two stages, the single pass, the time split and the overlap (named by ``last_error``; no access
+outside the pool), under each tool; the test asserts exit
 code 0 and the tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
 0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
 /usr/local/cuda/bin; where it is absent the test is skipped (with KDA_REQUIRE_GPU=1 it fails instead).
@@ -59,6 +61,17 @@ CHILD = textwrap.dedent(
          lambda: testing.force_plan(single_pass=True)),
         # The overlap: records of the lead kernel and of the tail kernel (behind ready flags), a partial chunk.
         (matrix.Case("batched", H=2, B=2, T=90, state_dtype="fp32"), lambda: testing.force_plan(lead_chunks=2)),
+        # Pooled states: slots of a larger pool, padding rows (no read, no write), in place, on every plan kind.
+        (matrix.Case("pool", H=2, B=3, T=37, state_dtype="bf16", pool=5, padding=1), automatic),
+        (matrix.Case("pool", H=2, seqlens=(0, 16, 0, 33, 5), state_dtype="fp32", pool=7, padding=2,
+                     inplace_state=True), lambda: testing.force_plan(v_split=1, segment_chunks=2, scan_v_split=1)),
+        (matrix.Case("pool", H=2, seqlens=(0, 16, 0, 150, 5), state_dtype="bf16", pool=6, padding=1,
+                     final_dtype="fp32"), lambda: testing.force_plan(single_pass=True)),
+        (matrix.Case("pool", H=2, B=2, T=90, state_dtype="fp32", pool=3, padding=1),
+         lambda: testing.force_plan(lead_chunks=2)),
+        (matrix.Case("pool", H=2, B=3, T=5, state_dtype="fp32", pool=5, padding=1), automatic),  # decode
+        (matrix.Case("pool", H=2, B=3, T=40, state_dtype="bf16", pool=4, state_io="out_only"),
+         lambda: testing.force_plan(v_split=4, segment_chunks=1)),
         # The decode kernel (chosen for sequences of at most 16 tokens): one token, 16, empty sequences, both state
         # dtypes, int32 cu_seqlens, in place, mixed dtypes, no state, and a forced run over longer sequences.
         (matrix.Case("decode", H=2, B=3, T=1, state_dtype="bf16"), automatic),
@@ -72,7 +85,7 @@ CHILD = textwrap.dedent(
          lambda: testing.force_plan(decode=True)),
     ]
     names = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound",
-             "initial_state", "final_state", "cu_seqlens")
+             "initial_state", "final_state", "cu_seqlens", "state_indices")
     for case, plan in cases:
         # Inputs made on the CPU: fewer foreign kernels under the sanitizer.
         x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
@@ -116,9 +129,31 @@ CHILD = textwrap.dedent(
             message = flash_kda.last_error()
             assert message is not None and f"cu_seqlens[{first_bad}]" in message, (cu, plan_name, message)
             print("ran malformed", cu, plan_name, flush=True)
+
+    # A CUDA state index past the pool (P = 3) beside a padding row, under every plan kind for fixed lengths: the
+    # kernels skip it (no read, no write outside the pool) and the device word names the sequence.
+    bad_index_plans = [
+        ("two_stage", lambda: testing.force_plan(single_pass=False, lead_chunks=-1)),
+        ("single_pass", lambda: testing.force_plan(single_pass=True)),
+        ("time_split", lambda: testing.force_plan(v_split=2, segment_chunks=2)),
+        ("overlap", lambda: testing.force_plan(lead_chunks=1)),
+        ("decode", lambda: testing.force_plan(decode=True)),
+    ]
+    for index_dtype in (torch.int64, torch.int32):
+        for plan_name, plan in bad_index_plans:
+            case = matrix.Case("pool", H=2, B=4, T=90, state_dtype="bf16", pool=3, padding=1, inplace_state=True)
+            x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
+            x["state_indices"] = torch.tensor([0, 1 << 30, -1, 2], dtype=index_dtype).cuda()
+            with plan():
+                flash_kda.fwd(**{n: x[n] for n in names})
+            torch.cuda.synchronize()
+            message = flash_kda.last_error()
+            assert message is not None and "state_indices[1]" in message, (plan_name, message)
+            print("ran bad state index", plan_name, index_dtype, flush=True)
     """
 )
 MALFORMED_RUNS = 5 * 6  # malformed boundaries x plan kinds in CHILD
+BAD_INDEX_RUNS = 2 * 5  # index dtypes x plan kinds of the state index past the pool in CHILD
 
 
 def find_sanitizer() -> str | None:
@@ -148,5 +183,6 @@ def test_compute_sanitizer(tool: str) -> None:
     assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
     assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
     ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
-    expected = CHILD.count("matrix.Case(") - 1 + MALFORMED_RUNS  # one Case( builds the malformed runs
+    # One Case( builds the malformed runs, one the bad state index runs.
+    expected = CHILD.count("matrix.Case(") - 2 + MALFORMED_RUNS + BAD_INDEX_RUNS
     assert len(ran) == expected, f"{len(ran)} of {expected} cases ran under {tool}:\n{tail}"

@@ -747,6 +747,195 @@ def test_well_formed_leaves_the_unusual_to_the_ordered_checks(changes):
     assert validation.well_formed(*_args(x)) is None
 
 
+# --- pooled states (state_indices) -------------------------------------------------------------------------
+
+P = 4  # pool slots of the pooled calls below (N = B = 2 sequences)
+
+
+def pool_inputs(*, indices=(3, 0), index_dtype=torch.int64, P: int = P, state=torch.float32) -> dict:
+    """Valid pooled CPU arguments: B = 2 sequences with slots ``indices`` of two pools of ``P`` slots."""
+    x = inputs(B=2, state=None)
+    x["initial_state"] = torch.randn(P, H, D, D).to(state)
+    x["final_state"] = torch.zeros(P, H, D, D, dtype=state)
+    x["state_indices"] = torch.tensor(indices, dtype=index_dtype)
+    return x
+
+
+def pool_raises(exc: type[Exception], pattern: str, **changes):
+    with pytest.raises(exc, match=pattern):
+        flash_kda.fwd(**{**pool_inputs(), **changes})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool])
+def test_state_indices_dtype(dtype):
+    pool_raises(TypeError, rf"state_indices must be int64 or int32, got state_indices.dtype={dtype}",
+                state_indices=torch.tensor([3, 0]).to(dtype))
+
+
+@pytest.mark.parametrize("shape", [(3,), (1,), (2, 1), (1, 2), ()])
+def test_state_indices_shape(shape):
+    pool_raises(ValueError, re.escape("state_indices must be 1-D [N] = [2] (one slot per sequence), got "
+                                      f"state_indices.shape=torch.Size({list(shape)})"),
+                state_indices=torch.zeros(shape, dtype=torch.int64))
+
+
+def test_state_indices_shape_varlen_counts_sequences():
+    x = varlen_inputs()  # N = 3
+    x["state_indices"] = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=re.escape("state_indices must be 1-D [N] = [3]")):
+        flash_kda.fwd(**x)
+
+
+def test_state_indices_device():
+    pool_raises(ValueError, r"all tensors must be on one device, got q.device=cpu but state_indices.device=meta",
+                state_indices=torch.zeros(2, dtype=torch.int64, device="meta"))
+
+
+def test_state_indices_not_a_tensor():
+    pool_raises(TypeError, r"state_indices must be a torch.Tensor or None, got type\(t\)=<class 'list'>",
+                state_indices=[3, 0])
+
+
+def test_state_indices_non_contiguous():
+    pool_raises(ValueError, r"state_indices must be contiguous, got state_indices.stride\(\)=\(2,\)",
+                state_indices=torch.tensor([3, 1, 0, 2])[::2])
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("indices, n, value", [((4, 0), 0, 4), ((0, 9), 1, 9), ((-1, 4), 1, 4)])
+def test_state_indices_past_the_pool_are_refused_on_the_host(indices, n, value, index_dtype):
+    pool_raises(ValueError, re.escape(f"state_indices[{n}] = {value} is past the pool's last slot (P = 4"),
+                state_indices=torch.tensor(indices, dtype=index_dtype))
+
+
+def test_duplicate_state_indices_are_refused_when_written():
+    pool_raises(ValueError, re.escape("state_indices[0] and state_indices[1] both name slot 2; with final_state given"),
+                state_indices=torch.tensor([2, 2]))
+
+
+def test_duplicate_state_indices_are_accepted_when_only_read():
+    x = pool_inputs(indices=(2, 2))
+    x["final_state"] = None
+    flash_kda.fwd(**x)
+
+
+def test_padding_indices_may_repeat():
+    x = pool_inputs(indices=(-1, -1))
+    before = x["final_state"].clone()
+    flash_kda.fwd(**x)
+    assert torch.equal(x["final_state"], before)  # no slot named: nothing written
+
+
+def test_check_state_indices_names_the_first_duplicate_pair():
+    with pytest.raises(ValueError, match=re.escape("state_indices[1] and state_indices[4] both name slot 5")):
+        validation.check_state_indices(torch.tensor([0, 5, -1, 2, 5, -1]), 6, writes=True)
+    validation.check_state_indices(torch.tensor([0, 5, -1, 2, 5, -1]), 6, writes=False)
+    validation.check_state_indices(torch.tensor([-3, -3, 1]), 2, writes=True)
+
+
+def test_state_indices_need_a_pool():
+    pool_raises(ValueError, r"state_indices needs initial_state or final_state \(the pools \[P, H, V, K\] it "
+                r"indexes\), got neither", initial_state=None, final_state=None)
+
+
+@pytest.mark.parametrize("name", ["initial_state", "final_state"])
+@pytest.mark.parametrize("shape", [(0, H, D, D), (P, H + 1, D, D), (P, H, D, D // 2), (H, D, D)])
+def test_pool_shape(name, shape):
+    other = "final_state" if name == "initial_state" else "initial_state"
+    pool_raises(ValueError, re.escape(f"{name} must be a pool [P, H, V, K] = [P, {H}, {D}, {D}] with P >= 1"),
+                **{name: torch.zeros(shape), other: None})
+
+
+def test_pools_of_two_sizes_are_refused():
+    pool_raises(ValueError, r"initial_state and final_state must be pools of one size P",
+                final_state=torch.zeros(P + 1, H, D, D))
+
+
+def test_pools_may_be_smaller_than_the_batch():
+    x = pool_inputs(indices=(0, -1), P=1)
+    flash_kda.fwd(**x)
+
+
+def test_pool_overlapping_state_indices_is_refused():
+    x = pool_inputs()
+    x["state_indices"] = x["final_state"].view(-1)[:2].view(torch.int32)  # two int32 zeros inside the pool
+    with pytest.raises(ValueError, match="final_state overlaps state_indices in memory"):
+        flash_kda.fwd(**x)
+
+
+def test_pool_in_place_is_accepted_and_other_overlaps_refused():
+    x = pool_inputs()
+    x["final_state"] = x["initial_state"]
+    flash_kda.fwd(**x)
+    x = pool_inputs()
+    both = torch.zeros(P + 1, H, D, D)
+    x["initial_state"], x["final_state"] = both[:P], both[1:]  # one slot apart: not in place
+    with pytest.raises(ValueError, match="final_state overlaps initial_state in memory"):
+        flash_kda.fwd(**x)
+
+
+def test_host_copies_layout():
+    # cu_seqlens copy first (16-byte granules), then the state indices' int64 copy, both 16-byte aligned
+    assert planning.host_copies(100, 3, False, False) == (112, 112, 100)
+    assert planning.host_copies(100, 3, True, False) == (112, 144, 144)
+    assert planning.host_copies(100, 3, False, True) == (112, 112, 144)
+    assert planning.host_copies(100, 3, True, True) == (112, 144, 176)
+    assert planning.host_state_indices_bytes(1) == 16 and planning.host_state_indices_bytes(3) == 32
+
+
+def test_state_indices_with_cpu_tensors_need_no_extra_workspace():
+    x = pool_inputs()
+    assert flash_kda.workspace_bytes(x["q"], None, x["state_indices"]) == flash_kda.workspace_bytes(x["q"])
+
+
+@pytest.mark.parametrize("variant", ["pool", "pool_int32", "pool_in_place", "pool_initial_only", "pool_final_only"])
+def test_well_formed_accepts_pooled_calls(variant):
+    x = pool_inputs(index_dtype=torch.int32 if variant == "pool_int32" else torch.int64)
+    if variant == "pool_in_place":
+        x["final_state"] = x["initial_state"]
+    elif variant == "pool_initial_only":
+        x["final_state"] = None
+    elif variant == "pool_final_only":
+        x["initial_state"] = None
+    args = (*_args(x), x["state_indices"])
+    dims = validation.well_formed(*args)
+    assert dims == (2, T, H, 2)
+    assert dims == validation.validate(*args, concrete=True)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"state_indices": torch.tensor([3.0, 0.0])},
+        {"state_indices": torch.tensor([3, 0, 1])},
+        {"state_indices": torch.tensor([3, 1, 0, 2])[::2]},
+        {"initial_state": None, "final_state": None},
+        {"final_state": torch.zeros(P + 1, H, D, D)},
+        {"initial_state": torch.zeros(0, H, D, D), "final_state": None},
+    ],
+    ids=["dtype", "shape", "strided", "no_pool", "two_sizes", "empty_pool"],
+)
+def test_well_formed_leaves_bad_state_indices_to_the_ordered_checks(changes):
+    x = {**pool_inputs(), **changes}
+    assert validation.well_formed(*_args(x), x["state_indices"]) is None
+    with pytest.raises((TypeError, ValueError)):
+        validation.validate(*_args(x), x["state_indices"], concrete=True)
+
+
+def test_fake_implementation_checks_state_indices():
+    """The operator's fake implementation (what torch.compile traces) refuses bad indices with fwd's message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_kda import ops
+
+    x = pool_inputs()
+    with FakeTensorMode() as mode:
+        fake = {n: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+        fake["state_indices"] = mode.from_tensor(torch.tensor([0, 1, 2]))
+        with pytest.raises(ValueError, match=re.escape("state_indices must be 1-D [N] = [2]")):
+            ops._fwd_fake(*_args(fake), fake["state_indices"])
+
+
 # --- the decode kernel's plan -----------------------------------------------------------------------------------
 
 

@@ -125,7 +125,7 @@ def main() -> None:
     for index in (int(x) for x in sys.argv[1].split(",")):
         case = bench_fwd.CASES[index]
         inp = bench_fwd.make_inputs(case, "cuda")
-        call, _ = bench_fwd.run_flash_kda(inp, case.state, SCALE, LOWER_BOUND)
+        call, _ = bench_fwd.run_flash_kda(inp, case.state, SCALE, LOWER_BOUND, case.inplace)
         if os.environ.get("TIMELINE_PROFILE", "1") == "1":
             print(f"\n## {case.name}: median of {PROFILED_CALLS} profiled isolated calls, µs after the start event")
             print("| what | start | end |\n|---|---:|---:|")

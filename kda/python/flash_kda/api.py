@@ -22,7 +22,8 @@ __all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
         out: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
         initial_state: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None) -> None:
+        cu_seqlens: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
+        state_indices: torch.Tensor | None = None) -> None:
     """Kimi Delta Attention forward: writes the output into ``out`` and the last state into ``final_state``.
 
     Per sequence n and head h, with q̂ = q/sqrt(Σq² + 1e-6), k̂ likewise, the per-channel decay
@@ -46,14 +47,27 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     | A_log | fp32 / bf16 / fp16 | [H] | log-gate parameter (read as if widened to fp32) |
     | dt_bias | fp32 / bf16 / fp16 | [H, K] (or flat [H*K]) | gate bias (likewise) |
     | lower_bound | float | — | gate lower bound, in [-5, 0] |
-    | initial_state | None / bf16 / fp32 | [N, H, V, K] | initial state (None: zeros); never modified |
-    | final_state | None / bf16 / fp32 | [N, H, V, K] | output buffer for the final state (may be initial_state) |
+    | initial_state | None / bf16 / fp32 | [N, H, V, K] or pool [P, H, V, K] | initial state (None: zeros); never modified |
+    | final_state | None / bf16 / fp32 | [N, H, V, K] or pool [P, H, V, K] | output buffer for the final state (may be initial_state) |
     | cu_seqlens | int64 / int32 | [N + 1] | optional sequence boundaries; requires B = 1; may be on the CPU |
-    | workspace | uint8 | [≥ workspace_bytes(q, cu_seqlens)] | optional CUDA scratch (keyword only) |
+    | workspace | uint8 | [≥ workspace_bytes(q, cu_seqlens, state_indices)] | optional CUDA scratch (keyword only) |
+    | state_indices | int64 / int32 | [N] | optional pool slot of each sequence (keyword only); may be on the CPU |
 
     K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
     bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
     Only ``out`` and ``final_state`` are written. Returns None.
+
+    Pooled states (``state_indices``, as serving engines keep them): the state tensors are pools [P, H, V, K]
+    (P >= 1, independent of N; both of one P when both are given) and sequence n starts from slot
+    ``state_indices[n]`` and writes its final state there; slots no sequence names are left untouched, so
+    ``final_state`` may be the ``initial_state`` pool itself (in place). A negative index means no slot: the
+    sequence starts from zeros and writes nothing (the padding rows of a CUDA-graph batch). Two sequences naming
+    one slot with ``final_state`` given leave an unspecified state there. ``state_indices`` needs a pool to index
+    (``initial_state`` or ``final_state``; refused otherwise). On the CPU its contents are checked (every index < P,
+    no slot named twice when written) and copied into the workspace like a CPU ``cu_seqlens``; a CUDA
+    ``state_indices`` is read by the kernels at every launch (graph replays see new contents), an index >= P
+    is skipped like a negative one, never touching memory outside the pool, and ``flash_kda.last_error()``
+    names it.
 
     CUDA: needs compute capability 9.0 (sm_90a). The call never synchronises with the host and allocates no
     device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of a
@@ -76,7 +90,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         from flash_kda import ops  # noqa: PLC0415 -- registers the operator on first use
 
         return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                          cu_seqlens, workspace)
+                          cu_seqlens, workspace, state_indices)
     return _run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                workspace)
+                workspace, state_indices)
 

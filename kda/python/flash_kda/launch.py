@@ -12,15 +12,17 @@ import threading
 
 import torch
 
-from flash_kda import _ext
-from flash_kda.planning import host_cu_seqlens_bytes, host_cu_seqlens_offset, plan_for, sm_count_of
+from flash_kda import _ext, pools
+from flash_kda.planning import host_copies, plan_for, sm_count_of
 from flash_kda.validation import (
     HEAD_DIM,
     PARAM_TYPES,
     check_cu_seqlens,
+    check_state_indices,
     checked_cu_seqlens,
     cu_seqlens_on_host,
     device_index,
+    pool_slots,
     validate,
 )
 
@@ -28,22 +30,30 @@ __all__ = ["run", "run_cpu", "last_error", "reserve_workspace"]
 
 
 def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-        workspace, cached_workspace: bool = True) -> None:
+        workspace, state_indices=None, cached_workspace: bool = True) -> None:
     """``fwd`` outside tracing (the same arguments, all given): validate, then run the CUDA kernel or the CPU path.
 
     Without ``workspace``, a CUDA call uses the per-stream cache, or with ``cached_workspace=False`` a temporary
     of its own (the operator's choice, ops.py)."""
     B, T, H, N = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                          cu_seqlens, workspace, concrete=True)
+                          cu_seqlens, workspace, state_indices, concrete=True)
     K = HEAD_DIM
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
         check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
+    P, indices_on_host = N, False  # (the usual call: no pools, no host time beyond these two names)
+    if state_indices is not None:
+        P = pool_slots(initial_state, final_state, N, state_indices)
+        indices_on_host = state_indices.device.type == "cpu"
+        if indices_on_host:
+            check_state_indices(state_indices, P, final_state is not None)  # on the host: free there
 
     # --- nothing to compute: no launch with an empty grid, but final_state is still defined.
     if B * T == 0 or H == 0:
         if final_state is not None and final_state is not initial_state:
-            if initial_state is None:
+            if state_indices is not None:
+                pools.copy_named_slots(final_state, initial_state, state_indices)  # (no synchronisation)
+            elif initial_state is None:
                 final_state.zero_()
             else:
                 final_state.copy_(initial_state)
@@ -51,15 +61,17 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
 
     if q.device.type == "cpu":
         run_cpu(q, k, v, g, beta, float(scale), out, A_log, dt_bias.view(H, K), float(lower_bound),
-                initial_state, final_state, cu_seqlens)  # fmt: skip
+                initial_state, final_state, cu_seqlens, state_indices)  # fmt: skip
         return None
 
     C = _ext.load()
     index = q.device.index  # a CUDA tensor's device always has an index
     stream = _ext.current_stream(index)
     plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index))
-    cu_offset = host_cu_seqlens_offset(kernel_bytes)
-    nbytes = cu_offset + host_cu_seqlens_bytes(N) if cu_on_host else kernel_bytes
+    if cu_on_host or indices_on_host:
+        cu_offset, indices_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host, indices_on_host)
+    else:
+        nbytes = kernel_bytes
     if workspace is None:
         workspace = (_cached_workspace(index, stream, nbytes) if cached_workspace
                      else torch.empty(nbytes, dtype=torch.uint8, device=q.device))
@@ -74,10 +86,21 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         device_cu = workspace[cu_offset : cu_offset + 8 * (N + 1)].view(torch.int64)
         device_cu.copy_(staged, non_blocking=True)
         cu_seqlens = device_cu
+    if indices_on_host:
+        # Likewise, after the cu_seqlens copy (if any): a private pageable int64 copy of the validated indices.
+        staged = torch.empty(N, dtype=torch.int64)
+        staged.copy_(state_indices)
+        device_indices = workspace[indices_offset : indices_offset + 8 * N].view(torch.int64)
+        device_indices.copy_(staged, non_blocking=True)
+        state_indices = device_indices
 
-    # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens (a host
-    # cu_seqlens was validated above, so its copy needs no device check).
-    status = _status_word(index) if cu_seqlens is not None and not cu_on_host else None
+    # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens, or to the
+    # first sequence whose CUDA state index is past the pool (host copies were validated above: no device check).
+    indices_on_device = state_indices is not None and not indices_on_host
+    status = (_status_word(index) if (cu_seqlens is not None and not cu_on_host) or indices_on_device
+              else None)
+    if indices_on_device:
+        _note_pool_slots(index, P)
     # The extension makes q's device current for the launches itself (a torch.cuda.device context costs more
     # host time than the launches). Its argument is four groups (kda/csrc/binding.cpp): tensors with their dtype
     # codes, shape with the scalars, the plan, and where to launch. (Pointers read inline, 0 for None: a helper
@@ -90,8 +113,10 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
          0 if final_state is None else final_state.data_ptr(),
          final_state is not None and final_state.dtype == torch.float32,
          0 if cu_seqlens is None else cu_seqlens.data_ptr(),
-         cu_seqlens is not None and cu_seqlens.dtype == torch.int64),
-        (B, T, N, H, float(scale), float(lower_bound)),
+         cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
+         0 if state_indices is None else state_indices.data_ptr(),
+         state_indices is not None and state_indices.dtype == torch.int64),
+        (B, T, N, H, float(scale), float(lower_bound), P),
         plan,
         (workspace.data_ptr(), workspace.numel(), 0 if status is None else status, stream, index),
     )  # fmt: skip
@@ -126,8 +151,10 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
-    """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state``.
+def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+            state_indices=None):
+    """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state`` (with
+    ``state_indices``: into the named slots of the pool ``final_state``, ``pools.scatter``).
 
     Refuses (MemoryError, before any work) a call whose working memory exceeds what the host has available."""
     from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
@@ -144,17 +171,35 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
 
     if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
         cu_seqlens = cu_seqlens.to(torch.int64)
+    # With pools: the dense initial states of the sequences' slots (a fresh tensor), pools.gather.
+    dense_initial = initial_state
+    if state_indices is not None and initial_state is not None:
+        dense_initial = pools.gather(initial_state, state_indices)
     o, state = numerics.cpu_forward(
-        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=initial_state, cu_seqlens=cu_seqlens
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=dense_initial, cu_seqlens=cu_seqlens
     )
     # The results are fresh tensors, so final_state may alias initial_state.
     out.copy_(o)
     if final_state is not None:
-        final_state.copy_(state)
+        if state_indices is not None:
+            pools.scatter(state, state_indices, final_state)
+        else:
+            final_state.copy_(state)
 
 
 
 _status_words: dict[int, int] = {}  # device index -> address of its error word
+# device index -> the pool sizes P of its calls with CUDA state_indices since the last query (for last_error's
+# message: the word holds the sequence, not the call's P).
+_pool_sizes: dict[int, set[int]] = {}
+
+
+def _note_pool_slots(index: int, P: int) -> None:
+    sizes = _pool_sizes.get(index)
+    if sizes is None:
+        sizes = _pool_sizes[index] = set()
+    if len(sizes) < 8:
+        sizes.add(P)
 
 
 def _status_word(index: int) -> int:
@@ -179,14 +224,18 @@ def _status_word(index: int) -> int:
 
 
 def last_error(device: torch.device | str | int | None = None) -> str | None:
-    """The first malformed ``cu_seqlens`` a CUDA call on ``device`` met since the last query, or None.
+    """The first malformed ``cu_seqlens`` or ``state_indices`` a CUDA call on ``device`` met since the last query,
+    or None.
 
-    ``fwd`` never reads a CUDA ``cu_seqlens`` on the host (that would synchronise); a small kernel checks its
-    boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and records the first bad
-    index in a per-device word. This query covers every call enqueued on ``device`` before it, on any stream and
-    from any thread (it waits for all of the device's work: ``torch.cuda.synchronize(device)``), then reads and
-    resets the word in one atomic exchange and returns a message naming ``cu_seqlens`` and the index; the outputs
-    of the offending call are unspecified. Calls enqueued while the query runs are reported by the next query.
+    ``fwd`` never reads a CUDA ``cu_seqlens`` or ``state_indices`` on the host (that would synchronise); a small
+    kernel checks the boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and the
+    state indices (each below the pools' slot count P) and records the first bad one in a per-device word (a
+    ``cu_seqlens`` index before any state index). This query covers every call enqueued on ``device`` before it,
+    on any stream and from any thread (it waits for all of the device's work: ``torch.cuda.synchronize(device)``),
+    then reads and resets the word in one atomic exchange and returns a message naming ``cu_seqlens[i]`` or
+    ``state_indices[n]``; the outputs of a call with a malformed ``cu_seqlens`` are unspecified, and a sequence
+    whose index is past the pool ran from zeros and wrote no state (no memory outside the pool was touched). Calls
+    enqueued while the query runs are reported by the next query.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if device.type != "cuda":
@@ -197,8 +246,16 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
         return None
     C = _ext.load()
     first_bad = int(C.status_word_take(word, index))
+    sizes = sorted(_pool_sizes.pop(index, ()))
     if first_bad >= C.STATUS_CLEAR:  # (the value of a word that no malformed boundary lowered)
         return None
+    if first_bad >= C.STATUS_STATE_INDEX_BASE:
+        n = first_bad - C.STATUS_STATE_INDEX_BASE
+        pool = f"P = {sizes[0]}" if len(sizes) == 1 else "P of that call; the calls since the last query had P in " + str(sizes)
+        return (
+            f"flash_kda: a call on cuda:{device_index(device)} got a malformed state_indices: state_indices[{n}] is "
+            f"past the pool's last slot ({pool}); that sequence ran from a zero state and wrote no final state"
+        )
     return (
         f"flash_kda: a call on cuda:{device_index(device)} got a malformed cu_seqlens: cu_seqlens[{first_bad}] is "
         "its first bad boundary (cu_seqlens must start at 0, never decrease and end at the number of tokens); "

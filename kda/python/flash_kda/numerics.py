@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from flash_kda import planning
+from flash_kda import planning, pools
 
 CHUNK = 16
 HEAD_DIM = 128
@@ -355,6 +355,15 @@ def _split_forward(prep: dict, start: torch.Tensor, offsets: list, counts: list,
     return torch.stack(final)
 
 
+def _forward_on(initial_state, final_state, state_indices, forward):
+    """``forward(initial [N, H, V, K] or None)`` on dense states, or on pools with ``state_indices``
+    (``pools.run_pooled``: the final pool is ``final_state`` as it was, or ``initial_state``, with the named slots
+    replaced)."""
+    if state_indices is None:
+        return forward(initial_state)
+    return pools.run_pooled(forward, initial_state, final_state, state_indices)
+
+
 def _prepare_tokens(q, k, g, beta, scale, A_log, dt_bias, lower_bound, ar: Arithmetic):
     """The decode kernel's per-token values, every token at once (no token depends on another): k̂, q̃ = (q̂·scale)
     and α = 2^γ [.., H, K], β [.., H]."""
@@ -428,13 +437,15 @@ def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, in
 
 
 def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
-                 segment_chunks=None, decode=None):
+                 segment_chunks=None, decode=None, *, state_indices=None, final_state=None):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
     ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode kernel
     (``decode_twin_forward``) instead of the chunked kernels. None takes the choice
     ``flash_kda.fwd`` would make for these inputs now (its plan, including a plan forced by
-    ``flash_kda.testing.force_plan``)."""
+    ``flash_kda.testing.force_plan``). With ``state_indices`` [N], ``initial_state`` is a pool [P, H, V, K] and
+    the second result is the fp32 pool ``fwd`` leaves: ``final_state`` (the pool before the call; default
+    ``initial_state``) with each named slot replaced."""
     if q.device.type != "cuda":
         raise RuntimeError(f"twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
     if segment_chunks is None or decode is None:
@@ -442,15 +453,18 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
         segment_chunks = run.segment_chunks if segment_chunks is None else segment_chunks
         decode = run.decode if decode is None else decode
     if decode:
-        return decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
-    return chunked_forward(
-        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, kernel_arithmetic(),
+        return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_twin_forward(
+            q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens))
+    return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
         segment_chunks,
-    )
+    ))
 
 
-def cpu_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None):
-    """The same chunked algorithm in fp32 on any device: (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K])."""
-    return chunked_forward(
-        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, fp32_arithmetic()
-    )
+def cpu_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None, *,
+                state_indices=None, final_state=None):
+    """The same chunked algorithm in fp32 on any device: (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]); with
+    ``state_indices``, pools as in ``twin_forward``."""
+    return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, fp32_arithmetic()
+    ))

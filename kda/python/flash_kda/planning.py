@@ -20,8 +20,8 @@ from flash_kda.validation import cu_seqlens_on_host
 if TYPE_CHECKING:
     from flash_kda._C import Plan
 
-__all__ = ["plan", "plan_for", "workspace_bytes", "host_cu_seqlens_bytes", "sm_count_of", "forced", "forced_plan",
-           "PlanOverrides", "Plan", "V_SPLITS"]
+__all__ = ["plan", "plan_for", "workspace_bytes", "host_cu_seqlens_bytes", "host_state_indices_bytes",
+           "host_copies", "sm_count_of", "forced", "forced_plan", "PlanOverrides", "Plan", "V_SPLITS"]
 
 V_SPLITS = (1, 2, 4, 8)
 DEFAULT_SM_COUNT = 132  # an H200/H100 SXM, for plans asked about CPU tensors
@@ -73,19 +73,31 @@ def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
     return _plan_and_bytes(q, cu_seqlens)[0]
 
 
-def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
-    """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``).
+def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                    state_indices: torch.Tensor | None = None) -> int:
+    """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``,
+    ``state_indices``).
 
     Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
     a time split stores each segment's map, the overlap a ready flag per tail record, the single pass needs no
-    records at all, nor does the decode kernel), which depends on the device's SM count. A CPU ``cu_seqlens`` with CUDA ``q`` adds room for
-    its device copy.
+    records at all, nor does the decode kernel), which depends on the device's SM count. A CPU ``cu_seqlens`` or ``state_indices`` with CUDA
+    ``q`` adds room for its device copy.
     """
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
     kernel_bytes = _plan_and_bytes(q, cu_seqlens)[1]
-    if cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens):
-        return host_cu_seqlens_offset(kernel_bytes) + host_cu_seqlens_bytes(N)
-    return kernel_bytes
+    cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
+    indices_on_host = state_indices is not None and cu_seqlens_on_host(q, state_indices)
+    return host_copies(kernel_bytes, N, cu_on_host, indices_on_host)[2]
+
+
+def host_copies(kernel_bytes: int, num_seqs: int, cu_on_host: bool, indices_on_host: bool) -> tuple[int, int, int]:
+    """(cu_seqlens offset, state_indices offset, total bytes) of the workspace: after the kernels' bytes, on 16-byte
+    boundaries, the device copy of a CPU ``cu_seqlens`` (if any), then that of a CPU ``state_indices`` (if any)."""
+    cu_offset = host_cu_seqlens_offset(kernel_bytes)
+    indices_offset = cu_offset + (host_cu_seqlens_bytes(num_seqs) if cu_on_host else 0)
+    if not indices_on_host:
+        return cu_offset, indices_offset, indices_offset if cu_on_host else kernel_bytes
+    return cu_offset, indices_offset, indices_offset + host_state_indices_bytes(num_seqs)
 
 
 def host_cu_seqlens_offset(kernel_bytes: int) -> int:
@@ -98,6 +110,11 @@ def host_cu_seqlens_offset(kernel_bytes: int) -> int:
 def host_cu_seqlens_bytes(num_seqs: int) -> int:
     """Workspace bytes for the device copy of a CPU ``cu_seqlens`` (int64 boundaries, 16-byte granules)."""
     return -(-8 * (num_seqs + 1) // 16) * 16
+
+
+def host_state_indices_bytes(num_seqs: int) -> int:
+    """Workspace bytes for the device copy of a CPU ``state_indices`` (int64 slots, 16-byte granules)."""
+    return -(-8 * num_seqs // 16) * 16
 
 
 def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[Plan, int]:

@@ -7,7 +7,9 @@ Two forms of the same function:
 
 Both are vectorised over heads and sequences: sequences are laid side by side and padded to a common length
 with "inert" tokens (k̂ = q̂ = v = 0, β = 0, decay 1), which leave the state unchanged and whose outputs are
-dropped. Both return ``(out, final_state)`` in float64: out [B, T, H, V], final_state [N, H, V, K].
+dropped. Both return ``(out, final_state)`` in float64: out [B, T, H, V], final_state [N, H, V, K]. With
+``state_indices`` both take pools (``flash_kda.pools``): the initial states of the sequences' slots, and the final
+pool that ``flash_kda.fwd`` leaves (the slots no sequence names unchanged).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_kda import pools
 from flash_kda.validation import check_cu_seqlens
 
 __all__ = ["reference_loop", "reference_chunked", "l2_normalize", "gate", "NORM_EPS"]
@@ -122,7 +125,8 @@ def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state
 def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
                    initial_state: torch.Tensor | None = None,
-                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   cu_seqlens: torch.Tensor | None = None, *, state_indices: torch.Tensor | None = None,
+                   final_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The KDA recurrence of docs/SPEC.md §1 in float64, one token at a time (all sequences and heads at once).
 
     For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t).
@@ -137,9 +141,16 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     | dt_bias | any float | [H, K] or [H*K] | gate bias |
     | initial_state | None / any float | [N, H, V, K] | initial state (None: zeros) |
     | cu_seqlens | int | [N + 1] | optional sequence boundaries (B = 1); validated (synchronises) |
+    | state_indices | int | [N] | optional pool slot of each sequence (negative: none); the states are pools |
+    | final_state | None / any float | [P, H, V, K] | with state_indices: the pool before the call (None: initial_state) |
 
-    Returns (out float64 [B, T, H, V], final_state float64 [N, H, V, K]) on the inputs' device.
+    Returns (out float64 [B, T, H, V], final_state float64 [N, H, V, K]) on the inputs' device; with
+    ``state_indices``, the final pool float64 [P, H, V, K] ``flash_kda.fwd`` leaves.
     """
+    if state_indices is not None:
+        return pools.run_pooled(
+            lambda initial: reference_loop(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens),
+            initial_state, final_state, state_indices)
     p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
     B, T, H, K, V = p.shape
     out = torch.zeros(B * T, H, V, dtype=_F64, device=p.device)
@@ -163,7 +174,8 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
                       initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
-                      chunk: int = 64, base2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int = 64, base2: bool = False, state_indices: torch.Tensor | None = None,
+                      final_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same function as ``reference_loop``, by the chunked algebra of docs/SPEC.md §2 in float64.
 
     Per chunk of C tokens with G = cumsum of the gates inside the chunk and Γ its last row:
@@ -171,7 +183,7 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     M = lower_incl_diag(Qd Kiᵀ), U = (I + A)⁻¹ (β⊙(V − Kd Sᵀ)), O = Qd Sᵀ + M U, S ← S⊙e^Γ + Uᵀ Kr.
     Everything but the S recurrence is computed for a block of chunks at once; only the chunk loop is sequential.
 
-    Arguments as ``reference_loop``, plus:
+    Arguments as ``reference_loop`` (``state_indices`` and ``final_state`` too), plus:
 
     | arg | type | meaning |
     |---|---|---|
@@ -182,6 +194,11 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """
     if not 1 <= chunk <= 128:
         raise ValueError(f"chunk must be in [1, 128] (e^{{±G}} must not overflow float64), got {chunk=}")
+    if state_indices is not None:
+        return pools.run_pooled(
+            lambda initial: reference_chunked(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial,
+                                              cu_seqlens, chunk=chunk, base2=base2),
+            initial_state, final_state, state_indices)
     p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
     B, T, H, K, V = p.shape
     N = len(p.lengths)

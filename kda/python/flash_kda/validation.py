@@ -1,5 +1,6 @@
 """Argument checks of ``flash_kda.fwd``: the ordered checks that name the first problem, the tight pass that
-accepts a well-formed call in a third of their host time, and the host check of ``cu_seqlens``'s contents.
+accepts a well-formed call in a third of their host time, and the host checks of the contents of ``cu_seqlens``
+and ``state_indices``.
 
 Checks run in the order arch -> dtype -> device -> layout -> shape -> values; every message names the argument
 and shows the offending value.
@@ -13,9 +14,9 @@ import os
 
 import torch
 
-__all__ = ["validate", "well_formed", "check_cu_seqlens", "check_arch", "device_capability", "device_index",
-           "cu_seqlens_on_host", "checked_cu_seqlens", "HEAD_DIM", "LOWER_BOUND_RANGE", "PARAM_TYPES",
-           "CHECK_CU_SEQLENS_ENV"]
+__all__ = ["validate", "well_formed", "check_cu_seqlens", "check_state_indices", "check_arch", "device_capability",
+           "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM", "LOWER_BOUND_RANGE",
+           "PARAM_TYPES", "CHECK_CU_SEQLENS_ENV"]
 
 HEAD_DIM = 128  # K = V = 128: the only head size the kernel is built for.
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # the kernel's chunk size keeps 2^{±G} in range only for lower_bound >= -5.
@@ -23,6 +24,8 @@ REQUIRED_CAPABILITY = (9, 0)  # the kernel is compiled for sm_90a, which runs on
 STATE_DTYPES = (torch.bfloat16, torch.float32)  # initial and final state each, independently
 PARAM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # A_log, dt_bias -> kda::ParamType
 CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
+STATE_INDEX_DTYPES = (torch.int64, torch.int32)
+HOST_INDEX_ARGS = ("cu_seqlens", "state_indices")  # may be on the CPU beside CUDA tensors (validated there)
 ALIGNMENT = 16  # bytes: q, k, v, g, out, dt_bias and the states are read/written with 16-byte accesses
 MAX_HEADS = 65535  # the kernels launch heads along a grid's y dimension, whose limit this is
 FP32_OVERFLOW = 3.4028235677973366e38  # a float of this magnitude or more rounds to ±inf in float32
@@ -34,21 +37,23 @@ CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
 
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-              workspace, *, concrete: bool) -> tuple[int, int, int, int]:
+              workspace, state_indices=None, *, concrete: bool) -> tuple[int, int, int, int]:
     """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns (B, T, H, N).
 
     ``concrete=False`` (fake tensors while tracing for torch.compile) skips what needs real storage or a real
-    device: the compute capability, the alignment of data pointers and the contents of ``cu_seqlens``.
+    device: the compute capability, the alignment of data pointers and the contents of ``cu_seqlens``. The
+    contents of ``state_indices`` are checked by ``check_state_indices`` where they are on the host.
     """
     if concrete:
         dims = well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                            cu_seqlens, workspace)
+                            cu_seqlens, workspace, state_indices)
         if dims is not None:
             return dims
     # Something is off (or unusual, e.g. an int scale): the checks below, in order, name the first problem.
     tensors = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log, "dt_bias": dt_bias,
         "initial_state": initial_state, "final_state": final_state, "cu_seqlens": cu_seqlens,
+        "state_indices": state_indices,
     }  # fmt: skip
     given = {name: t for name, t in tensors.items() if t is not None}
     for name, t in given.items():
@@ -76,13 +81,16 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
             raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={given[name].dtype}")
     if cu_seqlens is not None and cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
         raise TypeError(f"cu_seqlens must be int64 or int32, got {cu_seqlens.dtype=}")
+    if state_indices is not None and state_indices.dtype not in STATE_INDEX_DTYPES:
+        raise TypeError(f"state_indices must be int64 or int32, got {state_indices.dtype=}")
 
-    # --- device: one device for everything, except that cu_seqlens may also be on the CPU with CUDA tensors
-    # (then it is validated on the host, where that costs no synchronisation, and copied to the device).
+    # --- device: one device for everything, except that cu_seqlens and state_indices may also be on the CPU with
+    # CUDA tensors (then they are validated on the host, where that costs no synchronisation, and copied to the
+    # device).
     if not on_cuda and device.type != "cpu":
         raise ValueError(f"tensors must be on a CUDA or CPU device, got {q.device=}")
     for name, t in given.items():
-        if name == "cu_seqlens" and cu_seqlens_on_host(q, t):
+        if name in HOST_INDEX_ARGS and cu_seqlens_on_host(q, t):
             continue
         if t.device != device:
             raise ValueError(f"all tensors must be on one device, got q.device={device} but {name}.device={t.device}")
@@ -103,7 +111,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         # a view that starts mid-row may not.
         aligned = {**given, "workspace": workspace} if workspace is not None else given
         for name, t in aligned.items():
-            if t.data_ptr() % ALIGNMENT and name not in ("beta", "A_log", "cu_seqlens"):
+            if t.data_ptr() % ALIGNMENT and name not in ("beta", "A_log", "cu_seqlens", "state_indices"):
                 raise ValueError(
                     f"{name} must start at a {ALIGNMENT}-byte aligned address on CUDA, got "
                     f"{name}.data_ptr() % {ALIGNMENT} = {t.data_ptr() % ALIGNMENT} (a view with a storage offset?)"
@@ -137,11 +145,29 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         N = cu_seqlens.numel() - 1
     else:
         N = B
-    for name in ("initial_state", "final_state"):
-        if name in given and tuple(given[name].shape) != (N, H, V, K):
-            raise ValueError(
-                f"{name} must have shape [N, H, V, K] = {[N, H, V, K]}, got {name}.shape={tuple(given[name].shape)}"
-            )
+    if state_indices is None:
+        for name in ("initial_state", "final_state"):
+            if name in given and tuple(given[name].shape) != (N, H, V, K):
+                raise ValueError(
+                    f"{name} must have shape [N, H, V, K] = {[N, H, V, K]}, got {name}.shape={tuple(given[name].shape)}"
+                )
+    else:
+        if state_indices.dim() != 1 or state_indices.shape[0] != N:
+            raise ValueError(f"state_indices must be 1-D [N] = [{N}] (one slot per sequence), got "
+                             f"{state_indices.shape=}")
+        pools = [name for name in ("initial_state", "final_state") if name in given]
+        if not pools:
+            raise ValueError("state_indices needs initial_state or final_state (the pools [P, H, V, K] it indexes), "
+                             "got neither")
+        P = given[pools[0]].shape[0] if given[pools[0]].dim() == 4 else 0
+        for name in pools:
+            shape = tuple(given[name].shape)
+            if len(shape) != 4 or shape[1:] != (H, V, K) or shape[0] < 1:
+                raise ValueError(f"{name} must be a pool [P, H, V, K] = [P, {H}, {V}, {K}] with P >= 1 (with "
+                                 f"state_indices), got {name}.shape={shape}")
+            if shape[0] != P:
+                raise ValueError(f"initial_state and final_state must be pools of one size P, got "
+                                 f"{initial_state.shape=} and {final_state.shape=}")
     if on_cuda and H > MAX_HEADS:
         raise ValueError(f"q has H = {H} heads but the CUDA kernel takes at most {MAX_HEADS} (heads are a launch "
                          f"grid's y dimension), got {q.shape=}")
@@ -178,7 +204,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
 
 
 def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                 workspace) -> tuple[int, int, int, int] | None:
+                 workspace, state_indices=None) -> tuple[int, int, int, int] | None:
     """(B, T, H, N) when every check of ``validate`` passes for a call of the usual kind, else None.
 
     Host time per call: the same conditions as ``validate`` in one tight pass (about a third of its cost), with
@@ -221,10 +247,21 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
         if cu_seqlens.device != device and not (on_cuda and cu_seqlens.device.type == "cpu"):
             return None
         N = cu_seqlens.numel() - 1
+    P = N  # rows of the state tensors: one per sequence, or the pools' slots
+    if state_indices is not None:
+        if (not isinstance(state_indices, Tensor) or state_indices.dtype not in STATE_INDEX_DTYPES
+                or state_indices.shape != (N,) or not state_indices.is_contiguous()):
+            return None
+        if state_indices.device != device and not (on_cuda and state_indices.device.type == "cpu"):
+            return None
+        pool = initial_state if initial_state is not None else final_state
+        if not isinstance(pool, Tensor) or pool.dim() != 4 or pool.shape[0] < 1:
+            return None
+        P = pool.shape[0]
     for t in (initial_state, final_state):
         if t is not None:
             if (not isinstance(t, Tensor) or t.dtype not in STATE_DTYPES or t.device != device
-                    or not t.is_contiguous() or t.shape != (N, H, HEAD_DIM, HEAD_DIM)):
+                    or not t.is_contiguous() or t.shape != (P, H, HEAD_DIM, HEAD_DIM)):
                 return None
     if workspace is not None:
         if (not isinstance(workspace, Tensor) or workspace.dtype != torch.uint8 or workspace.device != device
@@ -235,7 +272,7 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     # Where each tensor lives (shapes are known by now, so byte sizes come from ints, not tensor calls): for the
     # alignment check on CUDA and the overlap filter everywhere.
     big = B * T * H * HEAD_DIM * 2
-    state_bytes = N * H * HEAD_DIM * HEAD_DIM
+    state_bytes = P * H * HEAD_DIM * HEAD_DIM
     aligned = [(q.data_ptr(), big), (k.data_ptr(), big), (v.data_ptr(), big), (g.data_ptr(), big),
                (out.data_ptr(), big), (dt_bias.data_ptr(), dt_bias.nbytes)]
     for t in (initial_state, None if final_state is initial_state else final_state):  # (in place: once)
@@ -250,6 +287,8 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     spans = [*aligned, (beta.data_ptr(), B * T * H * 2), (A_log.data_ptr(), A_log.nbytes)]
     if cu_seqlens is not None and cu_seqlens.device == device:
         spans.append((cu_seqlens.data_ptr(), cu_seqlens.nbytes))
+    if state_indices is not None and state_indices.device == device:
+        spans.append((state_indices.data_ptr(), state_indices.nbytes))
     if _spans_overlap(spans):
         return None  # (validate's first_overlap tells the allowed from the refused)
     if type(scale) is not float or not abs(scale) < FP32_OVERFLOW:  # (NaN fails the comparison)
@@ -334,6 +373,48 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         raise ValueError(
             f"cu_seqlens[-1] must equal the number of tokens {total_tokens}, got cu_seqlens[-1]={cu[-1].item()}"
         )
+
+
+def check_state_indices(state_indices: torch.Tensor, pool_slots: int, writes: bool) -> None:
+    """Validates the contents of ``state_indices`` on the host (a CUDA tensor synchronises).
+
+    ``fwd`` does this for free where the indices are on the CPU; on the device the kernels skip an index past the
+    pool (memory stays safe) and ``flash_kda.last_error`` reports it.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | state_indices | int64 / int32 | [N] | pool slot of each sequence; negative: none (a padding row) |
+    | pool_slots | int | — | P, the pools' first dimension |
+    | writes | bool | — | whether the call writes the pool (final_state given) |
+
+    Raises ValueError naming the first index past the pool (>= P), or, when ``writes``, the first two sequences
+    that name one slot (two sequences would write it: the result would be unspecified).
+    """
+    indices = state_indices.detach().to("cpu", torch.int64)
+    past = torch.nonzero(indices >= pool_slots)
+    if past.numel():
+        n = int(past[0])
+        raise ValueError(f"state_indices[{n}] = {int(indices[n])} is past the pool's last slot (P = {pool_slots}: "
+                         "the initial_state / final_state pools' first dimension); negative indices mean no slot")
+    if writes and indices.numel() > 1:
+        valid = torch.nonzero(indices >= 0).flatten()
+        slots = indices[valid]
+        ordered, order = torch.sort(slots, stable=True)
+        same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
+        if same.numel():
+            first, second = sorted((int(valid[order[int(same[0])]]), int(valid[order[int(same[0]) + 1]])))
+            raise ValueError(
+                f"state_indices[{first}] and state_indices[{second}] both name slot {int(indices[first])}; with "
+                "final_state given each slot may be named once (two sequences would write it)"
+            )
+
+
+def pool_slots(initial_state: torch.Tensor | None, final_state: torch.Tensor | None, num_seqs: int,
+               state_indices: torch.Tensor | None) -> int:
+    """P, the state tensors' first dimension: the pools' slots with ``state_indices``, else N (one per sequence)."""
+    if state_indices is None:
+        return num_seqs
+    return (initial_state if initial_state is not None else final_state).shape[0]
 
 
 def cu_seqlens_on_host(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:

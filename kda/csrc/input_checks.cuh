@@ -1,0 +1,33 @@
+// The device-side checks of a call's CUDA cu_seqlens and state_indices, which the host cannot read without a
+// synchronisation: each lowers the device's error word (FwdParams::status) to the first malformed index, for
+// flash_kda.last_error. The kernels clamp malformed boundaries and skip slots past the pool on their own (memory
+// stays safe); these only record that the call's results are unspecified. kda_checks.cu runs them in a launch of
+// their own; the decode kernel runs them itself (one launch less on the shortest calls).
+#pragma once
+
+#include <cstdint>
+
+#include "kda/csrc/device_math.cuh"
+#include "kda/csrc/kda_params.h"
+#include "kda/csrc/status_word.h"  // kStatusStateIndexBase
+
+namespace kda {
+
+// Boundary i (0 <= i <= num_seqs): cu[0] must be 0, cu[N] the number of tokens, and cu must not decrease or leave
+// [0, total_tokens]. State index i (i < num_seqs): below pool_slots (negative indices are padding rows, allowed).
+__device__ __forceinline__ void check_call_inputs(const FwdParams& p, int64_t i) {
+  if (p.status == nullptr) return;
+  if (p.cu_seqlens != nullptr && i <= p.num_seqs) {
+    const int64_t v = load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i);
+    const bool bad = v < 0 || v > p.total_tokens || (i == 0 && v != 0) || (i == p.num_seqs && v != p.total_tokens) ||
+                     (i > 0 && load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i - 1) > v);
+    if (bad) atomicMin(p.status, static_cast<unsigned long long>(i));
+  }
+  if (p.state_indices != nullptr && i < p.num_seqs) {
+    const int64_t index = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[i]
+                                                   : static_cast<const int32_t*>(p.state_indices)[i];
+    if (index >= p.pool_slots) atomicMin(p.status, kStatusStateIndexBase + static_cast<unsigned long long>(i));
+  }
+}
+
+}  // namespace kda

@@ -1,0 +1,76 @@
+"""Pooled states on the host side: the gather and scatter that give ``state_indices`` its meaning.
+
+With ``state_indices`` [N], ``initial_state`` and ``final_state`` are pools [P, H, V, K] and sequence n uses slot
+``state_indices[n]``; a negative index (a padding row), or one past the pool, means no slot: start from zeros and
+write nothing. The CUDA kernels follow these rules in place (``state_slot``, kda/csrc/state_slots.cuh); the CPU
+path, the numerics twin and the float64 references run on dense [N, H, V, K] states and use these helpers around
+that: ``gather`` the initial states of the sequences' slots, run, ``scatter`` the final states back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["named", "gather", "scatter", "copy_named_slots", "run_pooled"]
+
+
+def named(state_indices: torch.Tensor, pool_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequences, slots): the sequences n (int64, on the indices' device) that name a slot of a pool of
+    ``pool_slots`` (0 <= state_indices[n] < pool_slots), and those slots. Reads the indices (a CUDA tensor
+    synchronises)."""
+    indices = state_indices.to(torch.int64)
+    sequences = torch.nonzero((indices >= 0) & (indices < pool_slots)).flatten()
+    return sequences, indices[sequences]
+
+
+def gather(pool: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
+    """The states [N, H, V, K] of the sequences' slots (pool's dtype and device; zeros where there is no slot)."""
+    sequences, slots = named(state_indices.to(pool.device), pool.shape[0])
+    dense = pool.new_zeros((state_indices.shape[0], *pool.shape[1:]))
+    dense[sequences] = pool[slots]
+    return dense
+
+
+def scatter(states: torch.Tensor, state_indices: torch.Tensor, pool: torch.Tensor) -> None:
+    """Writes states[n] [N, H, V, K] (cast to pool's dtype) into the pool slot of every sequence that names one;
+    no other slot changes. Two sequences naming one slot leave either's state there (unspecified)."""
+    sequences, slots = named(state_indices.to(pool.device), pool.shape[0])
+    pool[slots] = states.to(pool.device)[sequences].to(pool.dtype)
+
+
+def copy_named_slots(final_pool: torch.Tensor, initial_pool: Optional[torch.Tensor],
+                     state_indices: torch.Tensor) -> None:
+    """What a call without tokens (B·T = 0 or H = 0) does to the pools: every slot some sequence names receives
+    its initial state (zeros without an initial pool); the others stay as they are.
+
+    No host synchronisation (the mask is built on the indices' device), so CUDA indices stay on the device; and
+    since the source is per slot, not per sequence, duplicate indices are harmless here."""
+    P = final_pool.shape[0]
+    indices = state_indices.to(device=final_pool.device, dtype=torch.int64)
+    named_mask = torch.zeros(P + 1, dtype=torch.bool, device=final_pool.device)
+    # Indices without a slot (negative, past the pool) land on the extra entry P, which is dropped.
+    named_mask.index_fill_(0, torch.where((indices >= 0) & (indices < P), indices, P), True)
+    source = (initial_pool.to(final_pool.dtype) if initial_pool is not None
+              else torch.zeros((), dtype=final_pool.dtype, device=final_pool.device))
+    final_pool.copy_(torch.where(named_mask[:P].view(P, 1, 1, 1), source, final_pool))
+
+
+def run_pooled(forward: Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+               initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
+               state_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense forward ``forward(initial [N, H, V, K] or None) -> (out, final [N, H, V, K])`` run on pools:
+    returns (out, final pool) where the final pool is ``final_state`` as it was before (``initial_state`` when
+    None: in place), in the forward's state dtype, with the named slots replaced by their sequences' final states.
+
+    The references and the twin take ``state_indices`` through this, so that they describe exactly what
+    ``flash_kda.fwd`` leaves in the pool: untouched slots included."""
+    base = final_state if final_state is not None else initial_state
+    if base is None:
+        raise ValueError("state_indices needs initial_state or final_state (the pools it indexes), got neither")
+    dense_initial = gather(initial_state, state_indices) if initial_state is not None else None
+    out, dense_final = forward(dense_initial)
+    pool = base.to(device=dense_final.device, dtype=dense_final.dtype, copy=True)
+    scatter(dense_final, state_indices, pool)
+    return out, pool

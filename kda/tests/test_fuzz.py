@@ -1,0 +1,155 @@
+"""Seeded random calls of ``flash_kda.fwd``: shapes, varlen with empty and one-token sequences, state I/O and
+dtypes (mixed too), pools with padding rows and in place, and on the GPU a forced plan of every kind.
+
+- GPU (marker ``gpu``): GPU_CASES calls, each bit for bit against ``numerics.twin_forward`` (out, and the whole
+  final pool or state: untouched slots keep their poison) with the inputs unchanged.
+- CPU (runs in CI): CPU_CASES calls of the CPU path against the float64 reference (pools through the references'
+  own gather and scatter), within the CPU path's bounds (test_cpu_path.py: out within 1.01 × the bf16 rounding
+  floor, an fp32 state within 1e-6).
+
+Reproducible: case i of a run is drawn from random.Random(f"{SEED}:{i}") alone, so one failing id reruns by itself
+(``--test_filter=fuzz17``). Sizes are kept small (at most a few hundred tokens) so each variant runs in well under
+a minute.
+"""
+
+from __future__ import annotations
+
+import random
+
+import matrix
+import pytest
+import torch
+
+import flash_kda
+from flash_kda import compare, reference, testing
+
+SEED = 26
+GPU_CASES = 40
+CPU_CASES = 24
+FLOOR_FACTOR = 1.01  # test_cpu_path.py: measured worst 1.0000001
+FP32_STATE_REL_L2 = 1e-6  # test_cpu_path.py: measured worst 3.4e-7
+SEQLEN_CHOICES = (0, 1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 64, 100, 130)
+
+
+def random_case(i: int, *, gpu: bool) -> matrix.Case:
+    """Case i of the fuzz (drawn from its own seeded generator); on the GPU with a forced plan of some kind."""
+    rng = random.Random(f"{SEED}:{i}:{'gpu' if gpu else 'cpu'}")
+    H = rng.choice((1, 2, 4, 8, 32) if gpu else (1, 2, 4))
+    if rng.random() < 0.5:
+        shape = dict(seqlens=tuple(rng.choice(SEQLEN_CHOICES) for _ in range(rng.randint(1, 6))))
+        if sum(shape["seqlens"]) == 0 and not gpu:
+            shape = dict(seqlens=shape["seqlens"] + (rng.choice(SEQLEN_CHOICES[1:]),))
+        N = len(shape["seqlens"])
+    else:
+        shape = dict(B=rng.randint(1, 4), T=rng.choice(SEQLEN_CHOICES[1:]))
+        N = shape["B"]
+    state_io = rng.choice(matrix.STATE_IO)
+    fields: dict = dict(state_io=state_io, state_dtype=rng.choice(matrix.STATE_DTYPES),
+                        lower_bound=rng.choice((-5.0, -4.0, -3.99, -1.0, -0.01)))
+    if state_io == "in+out":
+        if rng.random() < 0.3:
+            fields["inplace_state"] = True
+        elif rng.random() < 0.25:
+            fields["final_dtype"] = "fp32" if fields["state_dtype"] == "bf16" else "bf16"
+    if state_io != "no_state" and rng.random() < 0.6:
+        padding = rng.randint(0, N - 1) if rng.random() < 0.5 else 0
+        fields.update(pool=N - padding + rng.randint(0, 3), padding=padding, indices_int32=rng.random() < 0.5,
+                      indices_on_host=gpu and rng.random() < 0.2)
+    if gpu:
+        kind = rng.choice(("auto", "two_stage", "single_pass", "time_split", "overlap", "v_split", "decode"))
+        if kind == "overlap" and "seqlens" in shape:
+            kind = "time_split"  # the overlap runs fixed-length batches only
+        fields.update({
+            "auto": dict(),
+            "two_stage": dict(single_pass=False, lead_chunks=-1),
+            "single_pass": dict(single_pass=True),
+            "time_split": dict(segment_chunks=rng.randint(1, 3), v_split=rng.choice((1, 2, 4, 8))),
+            "overlap": dict(lead_chunks=rng.randint(0, 3)),
+            "v_split": dict(v_split=rng.choice((2, 4, 8))),
+            "decode": dict(decode=True),
+        }[kind])
+    slice_ = "pool" if fields.get("pool") else "adversarial"
+    return matrix.Case(slice_, H=H, **shape, **fields, seed=rng.randrange(1 << 31))
+
+
+def _args_before(case: matrix.Case, x: dict) -> dict:
+    """The twin's / reference's arguments from the inputs as they are before the call (clones: in place)."""
+    args = matrix.twin_args(x)
+    if x["initial_state"] is not None:
+        args["initial_state"] = x["initial_state"].clone()
+    if case.pool:
+        args["final_state"] = (args.get("initial_state") if case.inplace_state or not case.has_final
+                               else x["final_state"].clone())
+    return args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(GPU_CASES), ids=lambda i: f"fuzz{i}")
+def test_fuzz_gpu_equals_twin(i: int) -> None:
+    from flash_kda import numerics  # noqa: PLC0415
+
+    case = random_case(i, gpu=True)
+    x = matrix.make_inputs(case, "cuda")
+    before = {n: x[n].clone() for n in matrix.INPUT_NAMES if x[n] is not None}
+    args = _args_before(case, x)
+    forced_segments = case.segment_chunks if case.segment_chunks >= 0 else None
+    forced_lead = case.lead_chunks if case.lead_chunks >= -1 else None
+    with testing.force_plan(v_split=case.v_split, segment_chunks=forced_segments, single_pass=case.single_pass,
+                            lead_chunks=forced_lead, decode=case.decode):
+        flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
+        plan = flash_kda.plan(x["q"], x["cu_seqlens"])
+    # The plan the call ran (decode included): short shapes run the decode kernel unless something else is forced.
+    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode)
+    failures = []
+    if not torch.equal(x["out"], twin_out):
+        failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")
+    if case.has_final:
+        twin_state = twin_state.to(x["final_state"].dtype)
+        actual, base = x["final_state"], args.get("final_state")
+        if case.pool:  # named slots against the twin, the others against the pool before the call
+            from flash_kda import pools  # noqa: PLC0415
+
+            _, slots = pools.named(x["state_indices"], case.pool)
+            untouched = torch.ones(case.pool, dtype=torch.bool)
+            untouched[slots.cpu()] = False
+            if base is not None and not matrix.same_bits(actual[untouched.cuda()],
+                                                         base.to(actual.dtype)[untouched.cuda()]):
+                failures.append("pool slots no sequence names changed")
+            actual, twin_state = actual[slots], twin_state[slots]
+        if not torch.equal(actual, twin_state):
+            failures.append(f"final_state != twin: {compare.bitwise_mismatch(actual, twin_state)}")
+    for name, saved in before.items():
+        if not (name == "initial_state" and case.inplace_state) and not torch.equal(x[name], saved):
+            failures.append(f"input {name} was modified")
+    assert flash_kda.last_error() is None
+    assert not failures, f"case {case.id} under {plan}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("i", range(CPU_CASES), ids=lambda i: f"fuzz{i}")
+def test_fuzz_cpu_matches_float64(i: int) -> None:
+    case = random_case(i, gpu=False)
+    x = matrix.make_inputs(case, "cpu")
+    args = _args_before(case, x)
+    flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
+    ref_out, ref_state = reference.reference_chunked(**args)
+    floor = compare.compare(ref_out.to(torch.bfloat16), ref_out).rel_l2
+    compare.compare(x["out"], ref_out).check(rel_l2=FLOOR_FACTOR * floor, name=f"{case.id} out")
+    if case.has_final:
+        # The whole pool: untouched slots hold NaN (or the initial values in place) in both.
+        report = compare.compare(x["final_state"], ref_state)
+        if x["final_state"].dtype == torch.float32:
+            report.check(rel_l2=FP32_STATE_REL_L2, name=f"{case.id} fp32 final_state")
+        else:
+            state_floor = compare.compare(ref_state.to(torch.bfloat16), ref_state).rel_l2
+            report.check(rel_l2=FLOOR_FACTOR * state_floor, name=f"{case.id} bf16 final_state")
+
+
+def test_fuzz_draws_every_kind() -> None:
+    """The GPU draw covers pools with padding, in place, varlen, both dtypes and every plan kind."""
+    cases = [random_case(i, gpu=True) for i in range(GPU_CASES)]
+    assert any(c.pool and c.padding for c in cases) and any(c.pool and c.inplace_state for c in cases)
+    assert any(c.varlen for c in cases) and {c.state_dtype for c in cases} >= {"bf16", "fp32"}
+    assert any(c.single_pass for c in cases) and any(c.segment_chunks > 0 for c in cases)
+    assert any(c.lead_chunks >= 0 for c in cases) and any(c.v_split > 1 for c in cases)
+    assert any(c.indices_on_host for c in cases)
+    assert random_case(3, gpu=True) == random_case(3, gpu=True)  # reproducible
