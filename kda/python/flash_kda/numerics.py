@@ -90,14 +90,54 @@ def _inv_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(torch.sqrt(tree_sum_128(x * x) + _fp32(NORM_EPS, x.device)))
 
 
-def _gate_log2(g: torch.Tensor, A_log, dt_bias, lower_bound, ar: Arithmetic) -> torch.Tensor:
-    """γ = sigmoid((g + dt_bias) · 2^(A_log·log2 e)) · (lower_bound · log2 e), the base-2 log decay per channel,
-    as the preparation computes it; g is [..., H, K] (fp32)."""
+def _gate_log2(g: torch.Tensor, A_log, dt_bias, lower_bound, ar: Arithmetic, kind: str = "lower_bound"):
+    """The base-2 log decay per channel as the preparation computes it; g is [..., H, K] (fp32).
+    lower_bound: γ = sigmoid((g + dt_bias) · 2^(A_log·log2 e)) · (lower_bound · log2 e);
+    softplus: γ = −(2^(A_log·log2 e) · softplus(g + dt_bias)) · log2 e, unbounded below."""
     log2e = _fp32(LOG2E, g.device)
     exp_a = ar.exp2(A_log.float() * log2e)  # [H]
+    if kind == "softplus":
+        x = g + dt_bias.float().reshape(-1, HEAD_DIM)
+        return -(exp_a[:, None] * torch.nn.functional.softplus(x)) * log2e
     gate_scale = _fp32(lower_bound, g.device) * log2e
     x = (g + dt_bias.float().reshape(-1, HEAD_DIM)) * exp_a[:, None]
     return ar.sigmoid(x) * gate_scale
+
+
+ANCHOR_BLOCK = 4  # rows per block of the anchored intra-chunk products
+
+
+def _anchored_products(k_hat: torch.Tensor, q_scaled: torch.Tensor, cum: torch.Tensor, ar: Arithmetic):
+    """A = Σ_c k̂_i k̂_j 2^(cum_i − cum_j) (i > j) and Mqk = Σ_c q̃_i k̂_j 2^(cum_i − cum_j) (i ≥ j) [.., 16, 16]
+    without a factor 2^(−cum) that overflows once a chunk's cumulative decay passes −126 (softplus gate).
+
+    The 16 rows form blocks of ANCHOR_BLOCK. Inside a block every pair's coefficient is formed directly (its exponent
+    cum_i − cum_j ≤ 0) and the sum over channels taken in fp32. Between a later block b and an earlier block a,
+    with e = cum at a's last row, 2^(cum_i − cum_j) = 2^(cum_i − e) · 2^(e − cum_j), both exponents ≤ 0: the
+    product of (k̂_i 2^(cum_i − e)) and (k̂_j 2^(e − cum_j)) as tensor-core operands. Nothing overflows; a factor
+    that underflows to 0 bounds the true coefficient below 2^−126."""
+    shape = (*cum.shape[:-2], CHUNK, CHUNK)
+    a_full = torch.zeros(shape, dtype=torch.float32, device=cum.device)
+    m_full = torch.zeros_like(a_full)
+    blocks = CHUNK // ANCHOR_BLOCK
+    tril = torch.tril(torch.ones(ANCHOR_BLOCK, ANCHOR_BLOCK, dtype=torch.bool, device=cum.device))
+    for b in range(blocks):
+        rb = slice(b * ANCHOR_BLOCK, (b + 1) * ANCHOR_BLOCK)
+        cb = cum[..., rb, :]
+        diff = cb[..., :, None, :] - cb[..., None, :, :]  # [.., i, j, K]
+        coeff = ar.exp2(torch.where(tril[:, :, None], diff, torch.zeros_like(diff)))
+        coeff = torch.where(tril[:, :, None], coeff, torch.zeros_like(coeff))
+        kj = k_hat[..., rb, :][..., None, :, :]
+        a_full[..., rb, rb] = (k_hat[..., rb, :][..., :, None, :] * kj * coeff).sum(-1)
+        m_full[..., rb, rb] = (q_scaled[..., rb, :][..., :, None, :] * kj * coeff).sum(-1)
+        for a in range(b):
+            ra = slice(a * ANCHOR_BLOCK, (a + 1) * ANCHOR_BLOCK)
+            e = cum[..., a * ANCHOR_BLOCK + ANCHOR_BLOCK - 1, None, :]
+            to_i = ar.exp2(cb - e)
+            right = ar.operand(k_hat[..., ra, :] * ar.exp2(e - cum[..., ra, :])).transpose(-1, -2)
+            a_full[..., rb, ra] = ar.matmul(ar.operand(k_hat[..., rb, :] * to_i), right, None)
+            m_full[..., rb, ra] = ar.matmul(ar.operand(q_scaled[..., rb, :] * to_i), right, None)
+    return a_full, m_full
 
 
 def sequence_bounds(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int) -> tuple:
@@ -150,7 +190,8 @@ def _gather_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return chunks.transpose(1, 2)
 
 
-def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: ChunkLayout, ar: Arithmetic):
+def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: ChunkLayout, ar: Arithmetic,
+             gate_kind: str = "lower_bound"):
     """Everything that does not touch the state, for all chunks and heads at once (prepare_chunk.cuh)."""
     device = q.device
     valid = layout.valid[:, None, :]  # [C, 1, 16]
@@ -160,7 +201,7 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     vc = _gather_chunks(v, layout)  # bf16 [C, H, 16, V]
     bf = _gather_chunks(beta, layout).float()  # [C, H, 16]
 
-    gate = _gate_log2(gf.transpose(-2, -3), A_log, dt_bias, lower_bound, ar).transpose(-2, -3)  # [C, H, 16, K]
+    gate = _gate_log2(gf.transpose(-2, -3), A_log, dt_bias, lower_bound, ar, gate_kind).transpose(-2, -3)
     gamma = torch.where(valid[..., None], gate, torch.zeros_like(gate))
     beta_act = torch.where(valid, ar.sigmoid(bf), torch.zeros_like(bf))
 
@@ -176,13 +217,15 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     decay_rows = ar.exp2(cum)
     kd = ar.operand(k_hat * decay_rows)
     qd = ar.operand((q_hat * _fp32(scale, device)) * decay_rows)
-    ki = ar.operand(k_hat * ar.exp2(-cum))
     kr = ar.operand(k_hat * ar.exp2(total[..., None, :] - cum))
     decay = ar.exp2(total)
 
-    ki_t = ki.transpose(-1, -2)
-    a_full = ar.matmul(kd, ki_t, None)  # [C, H, 16, 16]
-    m_full = ar.matmul(qd, ki_t, None)
+    if gate_kind == "softplus":  # a chunk's decay is unbounded: no factor 2^(−cum)
+        a_full, m_full = _anchored_products(k_hat, q_hat * _fp32(scale, device), cum, ar)
+    else:  # cum ≥ 16 · lower_bound · log2 e ≥ −116: 2^(−cum) stays finite
+        ki_t = ar.operand(k_hat * ar.exp2(-cum)).transpose(-1, -2)
+        a_full = ar.matmul(kd, ki_t, None)  # [C, H, 16, 16]
+        m_full = ar.matmul(qd, ki_t, None)
 
     # INV = (I + β·strict_lower(A))⁻¹ by forward substitution, row by row, columns in parallel.
     lower = a_full * beta_act[..., :, None]
@@ -262,7 +305,7 @@ def _compose(state: torch.Tensor, m: torch.Tensor, q: torch.Tensor, ar: Arithmet
 def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
                     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], ar: Arithmetic,
-                    segment_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    segment_chunks: int = 0, gate_kind: str = "lower_bound") -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the chunked forward with arithmetic ``ar``; returns (out bf16 [B,T,H,V], final fp32 [N,H,V,K]).
 
     ``segment_chunks`` = L > 0 re-enacts the CUDA path's time split (docs/DESIGN.md, "The time split"): every
@@ -282,7 +325,7 @@ def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if num_chunks_total == 0:
         return out_flat.view(batch, seqlen, heads, HEAD_DIM), start
 
-    prep = _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout, ar)
+    prep = _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout, ar, gate_kind)
     out_chunks = torch.empty(num_chunks_total, heads, CHUNK, HEAD_DIM, dtype=torch.bfloat16, device=device)
     offsets, counts = layout.chunk_offset, layout.num_chunks
     if segment_chunks <= 0:

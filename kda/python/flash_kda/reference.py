@@ -35,11 +35,22 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + NORM_EPS)
 
 
-def gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
-    """Natural-log decay λ = lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h])), float64, g [..., H, K]."""
+GATES = ("lower_bound", "softplus")
+
+
+def gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+         kind: str = "lower_bound") -> torch.Tensor:
+    """Natural-log decay per channel, float64, g [..., H, K]:
+    lower_bound: λ = lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]));
+    softplus: λ = −exp(A_log[h]) · softplus(g + dt_bias[h]) (unbounded below; lower_bound unused)."""
     H, K = g.shape[-2:]
     a = torch.exp(A_log.to(_F64)).reshape(H, 1)
-    return lower_bound * torch.sigmoid(a * (g.to(_F64) + dt_bias.to(_F64).reshape(H, K)))
+    x = g.to(_F64) + dt_bias.to(_F64).reshape(H, K)
+    if kind == "softplus":
+        return -a * torch.nn.functional.softplus(x)
+    if kind != "lower_bound":
+        raise ValueError(f"gate kind must be one of {GATES}, got {kind=}")
+    return lower_bound * torch.sigmoid(a * x)
 
 
 @dataclass
@@ -59,6 +70,7 @@ class _Problem:
     starts: list[int]  # first token of each sequence in the flattened token axis
     lengths: list[int]
     state: torch.Tensor  # float64 [N, H, V, K]
+    gate_kind: str = "lower_bound"
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +91,7 @@ class _Problem:
             "q": _masked(l2_normalize(self.q[idx]), m),
             "k": _masked(l2_normalize(self.k[idx]), m),
             "v": _masked(self.v[idx].to(_F64), m),
-            "lam": _masked(gate(self.g[idx], self.A_log, self.dt_bias, self.lower_bound), m),
+            "lam": _masked(gate(self.g[idx], self.A_log, self.dt_bias, self.lower_bound, self.gate_kind), m),
             "beta": _masked(torch.sigmoid(self.beta[idx].to(_F64)), m),
         }
 
@@ -96,7 +108,8 @@ def _masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens) -> _Problem:
+def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+             gate_kind: str = "lower_bound") -> _Problem:
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is None:
@@ -118,7 +131,7 @@ def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state
     return _Problem(
         q=flat(q), k=flat(k), v=flat(v), g=flat(g), beta=flat(beta), A_log=A_log, dt_bias=dt_bias,
         scale=float(scale), lower_bound=float(lower_bound), shape=(B, T, H, K, V), starts=starts,
-        lengths=lengths, state=state,
+        lengths=lengths, state=state, gate_kind=gate_kind,
     )  # fmt: skip
 
 
@@ -126,8 +139,10 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
                    initial_state: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, *, state_indices: torch.Tensor | None = None,
-                   final_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   final_state: torch.Tensor | None = None,
+                   gate_kind: str = "lower_bound") -> tuple[torch.Tensor, torch.Tensor]:
     """The KDA recurrence of docs/SPEC.md §1 in float64, one token at a time (all sequences and heads at once).
+    ``gate_kind``: "lower_bound" or "softplus" (``gate``).
 
     For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t).
 
@@ -151,7 +166,7 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         return pools.run_pooled(
             lambda initial: reference_loop(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens),
             initial_state, final_state, state_indices)
-    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
+    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, gate_kind)
     B, T, H, K, V = p.shape
     out = torch.zeros(B * T, H, V, dtype=_F64, device=p.device)
     S = p.state
