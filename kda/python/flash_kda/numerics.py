@@ -213,15 +213,15 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     total = cum[..., CHUNK - 1, :]  # Γ [C, H, K]
 
     k_hat = kf * _inv_norm(kf)[..., None]
-    q_hat = qf * _inv_norm(qf)[..., None]
+    q_scaled = (qf * _inv_norm(qf)[..., None]) * _fp32(scale, device)
     decay_rows = ar.exp2(cum)
     kd = ar.operand(k_hat * decay_rows)
-    qd = ar.operand((q_hat * _fp32(scale, device)) * decay_rows)
+    qd = ar.operand(q_scaled * decay_rows)
     kr = ar.operand(k_hat * ar.exp2(total[..., None, :] - cum))
     decay = ar.exp2(total)
 
     if gate_kind == "softplus":  # a chunk's decay is unbounded: no factor 2^(−cum)
-        a_full, m_full = _anchored_products(k_hat, q_hat * _fp32(scale, device), cum, ar)
+        a_full, m_full = _anchored_products(k_hat, q_scaled, cum, ar)
     else:  # cum ≥ 16 · lower_bound · log2 e ≥ −116: 2^(−cum) stays finite
         ki_t = ar.operand(k_hat * ar.exp2(-cum)).transpose(-1, -2)
         a_full = ar.matmul(kd, ki_t, None)  # [C, H, 16, 16]
