@@ -99,6 +99,9 @@ class Case:
     state: str = "bf16"  # "bf16", "fp32" or "none": one state mode for all three implementations of the row
     inplace: bool = False  # decode rows: our states in a pool, updated in place (a serving engine's call)
     fla_recurrent: bool = False  # fla's column times fused_recurrent_kda_fwd (decode rows) instead of chunk_kda
+    gate: str = "lower_bound"  # or "softplus" (Kimi Linear's gate; A_log drawn as log U(1, 16), fla's layer init)
+    neg_eigval: bool = False  # β = 2·sigmoid (allow_neg_eigval)
+    key_heads: Optional[int] = None  # grouped value heads: q and k on this many heads (None: `heads`)
 
     @property
     def tokens(self) -> int:
@@ -117,7 +120,8 @@ class Case:
         """Bytes the forward must move at least: the token tensors plus each state buffer read or written."""
         per_state = self.num_seqs * self.heads * HEAD_DIM * HEAD_DIM
         state_bytes = 0 if self.state == "none" else 2 * per_state * STATE_DTYPES[self.state].itemsize
-        return self.token_heads * BYTES_PER_TOKEN_HEAD + state_bytes
+        key_bytes = 0 if self.key_heads is None else 2 * 2 * HEAD_DIM * self.tokens * (self.heads - self.key_heads)
+        return self.token_heads * BYTES_PER_TOKEN_HEAD - key_bytes + state_bytes  # (GVA: q and k on fewer heads)
 
 
 def _varlen(name: str, lens: list[int], heads: int, **kwargs) -> Case:
@@ -152,6 +156,13 @@ CASES = [
     _decode("decode varlen 128x4 H32", [4] * 128, 32),
     _decode("decode B64 T16 H32", 64, 16, 32),
     _decode("decode B128 T1 H32 fp32 state", 128, 1, 32, state="fp32"),
+    # The model options (issue 27): Kimi Linear's softplus gate, negative eigenvalues, grouped value heads.
+    Case("T8192 H32 softplus", 1, 8192, 32, gate="softplus"),
+    Case("T8192 H96 softplus", 1, 8192, 96, gate="softplus"),
+    Case("T131072 H1 softplus", 1, 131072, 1, gate="softplus"),
+    Case("T8192 H32 neg eigval", 1, 8192, 32, neg_eigval=True),
+    Case("T8192 GVA 16->32", 1, 8192, 32, key_heads=16),
+    Case("T8192 GVA 16->32 softplus", 1, 8192, 32, key_heads=16, gate="softplus"),
 ]
 
 
@@ -191,8 +202,12 @@ def make_inputs(case: Case, device: str, seed: int = 0):
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
 
     q, k, v, g = (randn(B, T, H, HEAD_DIM) for _ in range(4))
+    if case.key_heads is not None:  # (drawn after the others: every row's q, k, v, g and β stay as they were)
+        q, k = (randn(B, T, case.key_heads, HEAD_DIM) for _ in range(2))
     beta = randn(B, T, H)
     A_log = torch.rand(H, generator=gen, device=device) * 0.5
+    if case.gate == "softplus":
+        A_log = torch.log(1 + 15 * torch.rand(H, generator=gen, device=device))
     dt_bias = torch.randn(H, HEAD_DIM, generator=gen, device=device) * 0.1
     cu = None
     if case.seqlens is not None:
@@ -205,7 +220,7 @@ def make_inputs(case: Case, device: str, seed: int = 0):
         init = (torch.randn(case.num_seqs, H, HEAD_DIM, HEAD_DIM, generator=gen, device=device) * 0.1)
         init = init.to(torch.bfloat16).float()
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, init=init,
-                n=case.num_seqs)
+                n=case.num_seqs, gate=case.gate, neg_eigval=case.neg_eigval)
 
 
 def forced_plan():
@@ -287,8 +302,9 @@ def run_flash_kda(inp, state: str, scale: float, lower_bound: float, inplace: bo
 
     def call():
         flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"], inp["dt_bias"],
-                      lower_bound, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"],
-                      state_indices=indices)
+                      None if inp["gate"] == "softplus" else lower_bound, initial_state=init, final_state=final,
+                      cu_seqlens=inp["cu_seqlens"], state_indices=indices, gate=inp["gate"],
+                      allow_neg_eigval=inp["neg_eigval"])
 
     def outputs():
         if indices is None:
@@ -301,17 +317,20 @@ def run_flash_kda(inp, state: str, scale: float, lower_bound: float, inplace: bo
 
 
 def run_fla(chunk_kda, inp, scale: float, lower_bound: float) -> Run:
-    """fla's measured configuration: fp32 initial state (None without state), dt_bias flat [H*K]."""
+    """fla's measured configuration: fp32 initial state (None without state), dt_bias flat [H*K]; the softplus gate
+    as fla's layer passes it (safe_gate False, no lower bound)."""
     init = inp["init"]
     dt_bias = inp["dt_bias"].reshape(-1)
+    lower_bound_gate = inp["gate"] == "lower_bound"
     result = {}
 
     def call():
         o, s = chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale=scale,
                          initial_state=init, output_final_state=init is not None, use_qk_l2norm_in_kernel=True,
-                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                         lower_bound=lower_bound, state_v_first=True, cu_seqlens=inp["cu_seqlens"],
-                         A_log=inp["A_log"], dt_bias=dt_bias)
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound_gate,
+                         lower_bound=lower_bound if lower_bound_gate else None, state_v_first=True,
+                         cu_seqlens=inp["cu_seqlens"], A_log=inp["A_log"], dt_bias=dt_bias,
+                         allow_neg_eigval=inp["neg_eigval"])
         result["out"], result["final"] = o, s
 
     return call, lambda: (result["out"], result["final"])
@@ -448,7 +467,7 @@ def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> d
 
     row = empty_row(case)
     inp = make_inputs(case, "cuda")
-    row["plan"] = flash_kda.plan(inp["q"], inp["cu_seqlens"])._asdict()  # how our call ran (V and time split)
+    row["plan"] = flash_kda.plan(inp["v"], inp["cu_seqlens"], gate=case.gate)._asdict()  # how our call ran
     runs = {"flash_kda": run_flash_kda(inp, case.state, scale, lower_bound, case.inplace)}
     if "fla" in peers and case.fla_recurrent:
         if peers["fla"].recurrent is None or inp["init"] is None:
@@ -459,7 +478,10 @@ def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> d
             row["notes"].append(f"{case.name}: fla column = fused_recurrent_kda_fwd, fp32 state in place")
     elif "fla" in peers:
         runs["fla"] = run_fla(peers["fla"].chunk, inp, scale, lower_bound)
-    if "moonshot" in peers:
+    if "moonshot" in peers and (case.gate, case.neg_eigval, case.key_heads) != ("lower_bound", False, None):
+        row["notes"].append(f"MoonshotAI's fwd not measured on {case.name}: it takes the lower-bound gate with "
+                            "β = sigmoid and as many value heads as key heads only")
+    elif "moonshot" in peers:
         runs["moonshot"] = run_moonshot(peers["moonshot"], inp, case.state, scale, lower_bound)
     with torch.inference_mode():
         for impl, (call, _) in runs.items():
@@ -484,7 +506,8 @@ def measure_case(case: Case, peers: dict, scale: float, lower_bound: float) -> d
         if FLAGS.accuracy and case.token_heads <= FLAGS.accuracy_max_token_heads:
             ref_out, ref_fin = reference.reference_chunked(
                 inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, inp["A_log"], inp["dt_bias"],
-                lower_bound, initial_state=inp["init"], cu_seqlens=inp["cu_seqlens"])
+                lower_bound, initial_state=inp["init"], cu_seqlens=inp["cu_seqlens"], gate_kind=case.gate,
+                beta_scale=2.0 if case.neg_eigval else 1.0)
             row["bf16_rounding_out"] = rel_l2(ref_out.to(torch.bfloat16), ref_out)
             if case.state != "none":
                 row["bf16_rounding_state"] = rel_l2(ref_fin.to(torch.bfloat16), ref_fin)

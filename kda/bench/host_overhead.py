@@ -80,7 +80,8 @@ def _breakdown(x: dict) -> None:
     ws = api.reserve_workspace(api.workspace_bytes(q), q.device)
     launch_args = ((q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
                     x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
-                    False, 0, False), (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), 1),
+                    False, 0, False),
+                   (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), 1, q.shape[2], 0, 1.0),
                    run,
                    (ws.data_ptr(), ws.numel(), 0, _ext.current_stream(index), index))  # fmt: skip
     steps = {
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> None:
     for state, varlen in ((False, False), (True, False), (True, True)):
         x = _inputs(state, varlen)
         direct = _per_call_us(flash_kda.fwd, x)
-        op = _per_call_us(torch.ops.flash_kda.fwd, x, None, None)  # all 15 arguments (workspace, state_indices)
+        op = _per_call_us(torch.ops.flash_kda.fwd, x, None, None, "lower_bound", False)  # all 17 arguments
         label = ("bf16 state in+out" if state else "no state") + (", cu_seqlens" if varlen else "")
         print(f"| {label} | {direct:.1f} | {op:.1f} |", flush=True)
     # A serving engine's call: the states in a pool of 4 slots, updated in place at slot 2.
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> None:
                                                         device="cuda")
     indices = torch.tensor([2], dtype=torch.int32, device="cuda")
     direct = _per_call_us(flash_kda.fwd, x, state_indices=indices)
-    op = _per_call_us(torch.ops.flash_kda.fwd, x, None, indices)
+    op = _per_call_us(torch.ops.flash_kda.fwd, x, None, indices, "lower_bound", False)
     print(f"| bf16 pool in place, state_indices | {direct:.1f} | {op:.1f} |", flush=True)
     _breakdown(_inputs(False, False))
 

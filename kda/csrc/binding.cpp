@@ -57,8 +57,9 @@ class CurrentDevice {
 //                final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices,
 //                state_indices_is_int64): device addresses as ints (0 for None), ParamType codes (0 fp32, 1 bf16,
 //                2 fp16) and bools;
-//   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots): ints, then floats, then the
-//                pools' slot count P (num_seqs without state_indices);
+//   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale):
+//                ints, then floats, then the pools' slot count P (num_seqs without state_indices), q's and k's
+//                heads (GVA: heads is a multiple), the kda::GateKind code and β's scale (1 or 2);
 //   kda::Plan   the flash_kda.Plan object itself;
 //   FwdLaunch   (workspace, workspace_bytes, status, stream, device): ints (status 0: no error word).
 struct FwdTensors {
@@ -71,6 +72,8 @@ struct FwdShape {
   int heads;
   float scale, lower_bound;
   int64_t pool_slots;
+  int key_heads, gate;
+  float beta_scale;
 };
 struct FwdLaunch {
   std::uintptr_t workspace;
@@ -166,9 +169,9 @@ struct type_caster<FwdTensors> {
 
 template <>
 struct type_caster<FwdShape> {
-  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float, int]"));
+  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float, int, int, int, float]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 7);
+    TupleReader r(src, 10);
     value.batch = r.integer<int64_t>();
     value.seqlen = r.integer<int64_t>();
     value.num_seqs = r.integer<int64_t>();
@@ -176,6 +179,9 @@ struct type_caster<FwdShape> {
     value.scale = r.real();
     value.lower_bound = r.real();
     value.pool_slots = r.integer<int64_t>();
+    value.key_heads = r.integer<int>();
+    value.gate = r.integer<int>();
+    value.beta_scale = r.real();
     return r.ok();
   }
 };
@@ -226,6 +232,9 @@ kda::FwdParams fwd_params(const FwdTensors& t, const FwdShape& shape, const kda:
   p.heads = shape.heads;
   p.scale = shape.scale;
   p.lower_bound = shape.lower_bound;
+  p.key_heads = shape.key_heads;
+  p.gate = static_cast<kda::GateKind>(shape.gate);
+  p.beta_scale = shape.beta_scale;
   p.workspace = ptr<void>(launch.workspace);
   p.workspace_bytes = launch.workspace_bytes;
   p.status = ptr<unsigned long long>(launch.status);
@@ -362,21 +371,23 @@ PYBIND11_MODULE(_C, m) {
         "tensors = (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, "
         "initial_is_fp32, final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices, "
         "state_indices_is_int64): device addresses (0 for None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; "
-        "shape = (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
+        "shape = (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
         "job: use flash_kda.fwd.");
   m.def(
       "choose_plan",
       [](int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
          std::optional<int> v_split, std::optional<int> scan_v_split, std::optional<int> segment_chunks,
-         std::optional<bool> single_pass, std::optional<int> lead_chunks, std::optional<bool> decode) {
+         std::optional<bool> single_pass, std::optional<int> lead_chunks, std::optional<bool> decode, int gate) {
         const kda::PlanOverrides forced{v_split, scan_v_split, segment_chunks, single_pass, lead_chunks, decode};
-        return kda::choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced);
+        return kda::choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced,
+                                static_cast<kda::GateKind>(gate));
       },
       py::arg("total_tokens"), py::arg("seqlen"), py::arg("num_seqs"), py::arg("heads"), py::arg("varlen"),
       py::arg("sm_count"), py::kw_only(), py::arg("v_split") = py::none(), py::arg("scan_v_split") = py::none(),
       py::arg("segment_chunks") = py::none(), py::arg("single_pass") = py::none(),
-      py::arg("lead_chunks") = py::none(), py::arg("decode") = py::none(),
-      "The Plan fwd uses for these shapes on a GPU with sm_count SMs. Each keyword forces one choice (None: the "
+      py::arg("lead_chunks") = py::none(), py::arg("decode") = py::none(), py::arg("gate") = 0,
+      "The Plan fwd uses for these shapes on a GPU with sm_count SMs (gate: the GateKind code; the softplus gate "
+      "never runs the single pass). Each keyword forces one choice (None: the "
       "plan's own): v_split (1, 2, 4, 8; the scan's too unless scan_v_split is given), scan_v_split, "
       "segment_chunks (0: no time split; L: segments of L chunks), single_pass (True / False), lead_chunks (L >= "
       "0: the overlap with that lead on a fixed-length batch; -1: none), decode (True: the decode kernel, whatever the "
@@ -405,6 +416,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"),
       "y = 0.5 * tanh.approx.f32(0.5 * x) + 0.5 (each step rounded), fp32 arrays.");
+  m.def(
+      "softplus_log2",
+      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
+        elementwise(kda::Elementwise::kSoftplusLog2, x, y, n, s);
+      },
+      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"),
+      "y = log2(1 + e^x) as the softplus gate computes it (gate.cuh, softplus_log2), fp32 arrays.");
   m.def(
       "mma_bf16",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t d, int64_t batch, int m_, int n_,

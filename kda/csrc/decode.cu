@@ -19,6 +19,7 @@
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
+#include "kda/csrc/gate.cuh"
 #include "kda/csrc/input_checks.cuh"
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
@@ -107,46 +108,24 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// One level of the reduce-scatter of 16 sums (lane l holds a leaf of each): the lane keeps the half of its kCount
-// partial sums whose index bit matches its lane bit kOffset, and adds its partner's partial of the same sums.
-// Each sum is built from exactly the pairs of the butterfly, so it equals the halving tree bit for bit.
-template <int kCount, int kOffset>
-__device__ __forceinline__ void scatter_level(float (&v)[kDecodeRowsPerWarp], int lane) {
-  const bool upper = (lane & kOffset) != 0;
-#pragma unroll
-  for (int i = 0; i < kCount / 2; ++i) {
-    const float lo = v[i], hi = v[i + kCount / 2];
-    const float keep = upper ? hi : lo, send = upper ? lo : hi;
-    v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, kOffset));
-  }
-}
-// The 16 sums; lanes 2i and 2i + 1 end with sum i (lane bits 4, 3, 2, 1 pick index bits 3, 2, 1, 0).
-__device__ __forceinline__ float reduce_scatter_16(float (&v)[kDecodeRowsPerWarp], int lane) {
-  scatter_level<16, 16>(v, lane);
-  scatter_level<8, 8>(v, lane);
-  scatter_level<4, 4>(v, lane);
-  scatter_level<2, 2>(v, lane);
-  return __fadd_rn(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
-}
-
 // One token's raw inputs as this lane reads them: its 4 channels of q, k and g, β's logit and v of row lane / 2.
 struct RawToken {
   uint2 q, k, g;
   __nv_bfloat16 beta, v;
 };
 
-__device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, int h, int ch0, int v_row) {
-  const int64_t base = (t * p.heads + h) * kHeadDim;
+__device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, int h, int hk, int ch0, int v_row) {
+  const int64_t base = (t * p.heads + h) * kHeadDim, key_base = (t * p.key_heads + hk) * kHeadDim;
   RawToken r;
-  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + base + ch0);
-  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + base + ch0);
+  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + key_base + ch0);
+  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + key_base + ch0);
   r.g = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + base + ch0);
   r.beta = static_cast<const __nv_bfloat16*>(p.beta)[t * p.heads + h];
   r.v = static_cast<const __nv_bfloat16*>(p.v)[base + v_row];
   return r;
 }
 
-template <typename InitT, typename FinalT>
+template <typename InitT, typename FinalT, GateKind kGate>
 __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const FwdParams p) {
   using Ring = DecodeRing<InitT>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -186,12 +165,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
     // The item's first token and the gate's per-head parts (prepare_chunk.cuh's phase 1, the same instructions)
     // are in flight while the warp waits for the state.
+    const int hk = key_head_of(p, h);
     RawToken next{};
-    if (b.bos < b.eos) next = load_token(p, b.bos, h, ch0, row0 + my_row);
-    const float exp_a = ex2_approx(__fmul_rn(prep::load_param(p.A_log, p.A_log_type, h), kLog2e));
-    const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
-    float bias[4];
-    prep::load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, bias);
+    if (b.bos < b.eos) next = load_token(p, b.bos, h, hk, ch0, row0 + my_row);
+    const HeadGate hg = head_gate(p, h, ch0);
 
     // The state rows, fp32 (a bf16 state widened exactly), or zeros; then the stage is free for a later item.
     float s[kDecodeRowsPerWarp][4];
@@ -213,9 +190,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
     for (int64_t t = b.bos; t < b.eos; ++t) {
       const RawToken cur = next;
-      if (t + 1 < b.eos) next = load_token(p, t + 1, h, ch0, row0 + my_row);  // in flight during this token
+      if (t + 1 < b.eos) next = load_token(p, t + 1, h, hk, ch0, row0 + my_row);  // in flight during this token
 
-      // The token's preparation: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale, α = 2^γ, β = sigmoid(logit).
+      // The token's preparation: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale, α = 2^γ, β (gate.cuh).
       float kh[4], qt[4], alpha[4], gf[4];
       prep::unpack4(cur.k, kh);
       prep::unpack4(cur.q, qt);
@@ -226,10 +203,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
       for (int c = 0; c < 4; ++c) {
         kh[c] = __fmul_rn(kh[c], inv_k);
         qt[c] = __fmul_rn(__fmul_rn(qt[c], inv_q), p.scale);
-        const float x = __fmul_rn(__fadd_rn(gf[c], bias[c]), exp_a);
-        alpha[c] = ex2_approx(__fmul_rn(sigmoid_approx(x), gate_scale));
+        alpha[c] = ex2_approx(gate_log2<kGate>(hg, c, gf[c]));
       }
-      const float beta = sigmoid_approx(bf16_to_float(cur.beta));
+      const float beta = beta_of(p, bf16_to_float(cur.beta));
 
       // Decay, then r = v − S·k̂ per row (16 sums in one reduce-scatter), u = β·r on lanes 2i, 2i + 1.
       float part[kDecodeRowsPerWarp];
@@ -265,9 +241,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
 // Persistent CTAs: as many as fit on the device at once (occupancy queried once per kernel and device), never
 // more than there are items.
-template <typename InitT, typename FinalT>
-void launch_typed(const FwdParams& p, cudaStream_t stream) {
-  constexpr auto kernel = kda_decode_kernel<InitT, FinalT>;
+template <typename InitT, typename FinalT, GateKind kGate>
+void launch_gated(const FwdParams& p, cudaStream_t stream) {
+  constexpr auto kernel = kda_decode_kernel<InitT, FinalT, kGate>;
   constexpr int kSmem = DecodeRing<InitT>::kSmemBytes;
   constexpr int kMaxDevices = 64;
   static int ctas_per_device[kMaxDevices] = {};
@@ -286,6 +262,11 @@ void launch_typed(const FwdParams& p, cudaStream_t stream) {
   const int64_t grid = items < resident ? items : resident;
   kernel<<<static_cast<unsigned>(grid), kDecodeThreads, kSmem, stream>>>(p);
   KDA_CHECK_LAUNCH("kda_decode_kernel");
+}
+
+template <typename InitT, typename FinalT>
+void launch_typed(const FwdParams& p, cudaStream_t stream) {
+  with_gate(p.gate, [&](auto gate) { launch_gated<InitT, FinalT, decltype(gate)::value>(p, stream); });
 }
 
 }  // namespace

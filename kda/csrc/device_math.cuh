@@ -18,6 +18,12 @@ __device__ __forceinline__ float ex2_approx(float x) {
   return y;
 }
 
+__device__ __forceinline__ float lg2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -78,6 +84,28 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One level of the reduce-scatter of 16 sums (lane l holds a leaf of each): the lane keeps the half of its kCount
+// partial sums whose index bit matches its lane bit kOffset, and adds its partner's partial of the same sums.
+// Each sum is built from exactly the pairs of the butterfly, so it equals the halving tree bit for bit.
+template <int kCount, int kOffset>
+__device__ __forceinline__ void scatter_level(float (&v)[16], int lane) {
+  const bool upper = (lane & kOffset) != 0;
+#pragma unroll
+  for (int i = 0; i < kCount / 2; ++i) {
+    const float lo = v[i], hi = v[i + kCount / 2];
+    const float keep = upper ? hi : lo, send = upper ? lo : hi;
+    v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, kOffset));
+  }
+}
+// The 16 sums; lanes 2i and 2i + 1 end with sum i (lane bits 4, 3, 2, 1 pick index bits 3, 2, 1, 0).
+__device__ __forceinline__ float reduce_scatter_16(float (&v)[16], int lane) {
+  scatter_level<16, 16>(v, lane);
+  scatter_level<8, 8>(v, lane);
+  scatter_level<4, 4>(v, lane);
+  scatter_level<2, 2>(v, lane);
+  return __fadd_rn(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
 }
 
 // Loads the A fragment of a 16x16 bf16 tile stored row-major (row stride `ld` elements) in shared memory.

@@ -7,6 +7,7 @@
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
+#include "kda/csrc/gate.cuh"
 #include "kda/csrc/kda_launch.h"
 
 namespace kda {
@@ -23,6 +24,7 @@ __global__ void elementwise_kernel(Elementwise op, const float* __restrict__ x, 
       case Elementwise::kEx2Approx: y[i] = ex2_approx(v); break;
       case Elementwise::kTanhApprox: y[i] = tanh_approx(v); break;
       case Elementwise::kSigmoidApprox: y[i] = sigmoid_approx(v); break;
+      case Elementwise::kSoftplusLog2: y[i] = softplus_log2(v); break;
     }
   }
 }

@@ -18,7 +18,7 @@
 namespace kda {
 
 void fwd(const FwdParams& p, cudaStream_t stream) {
-  const std::string plan_problem = plan_error(plan_of(p), p.cu_seqlens != nullptr, p.num_seqs);
+  const std::string plan_problem = plan_error(plan_of(p), p.cu_seqlens != nullptr, p.num_seqs, p.gate);
   if (!plan_problem.empty()) throw std::invalid_argument(plan_problem);
   const bool overlap = p.lead_chunks >= 0;
   const int64_t tail_items = overlap_tail_items(p.seqlen, p.num_seqs, p.heads, p.lead_chunks);

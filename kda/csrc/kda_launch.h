@@ -34,7 +34,7 @@ void launch_boundary_check(const FwdParams& p, cudaStream_t stream);
 void fwd(const FwdParams& p, cudaStream_t stream);
 
 // Elementwise helpers on fp32 device arrays, the same instructions the kernels use (helpers.cu).
-enum class Elementwise { kEx2Approx, kTanhApprox, kSigmoidApprox };
+enum class Elementwise { kEx2Approx, kTanhApprox, kSigmoidApprox, kSoftplusLog2 };
 void launch_elementwise(Elementwise op, const float* x, float* y, int64_t n, cudaStream_t stream);
 
 // D = C + A·B per batch entry through mma.sync m16n8k16 (bf16 in, fp32 accumulate), k-steps in order.

@@ -167,11 +167,18 @@ constexpr size_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t
 // Element type of the gate parameters A_log and dt_bias (fla's layers hand them over in the model's dtype).
 enum class ParamType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+// The gate (docs/SPEC.md §1), as the per-channel log decay of token t:
+//   kLowerBound: lower_bound · sigmoid(e^A_log · (g_t + dt_bias)), in [lower_bound, 0];
+//   kSoftplus:   −e^A_log · softplus(g_t + dt_bias), unbounded below (Kimi Linear's gate).
+// A missing A_log counts as e^A_log = 1, a missing dt_bias as 0.
+enum class GateKind : int { kLowerBound = 0, kSoftplus = 1 };
+
 // Everything one forward call needs. Tensor layouts (all contiguous):
-//   q, k, g      bf16 [total_tokens, H, K]     (B*T flattened: token-major)
+//   q, k         bf16 [total_tokens, key_heads, K]  (B*T flattened: token-major)
+//   g            bf16 [total_tokens, H, K]
 //   v, out       bf16 [total_tokens, H, V]
 //   beta         bf16 [total_tokens, H]
-//   A_log        fp32, bf16 or fp16 [H];  dt_bias fp32, bf16 or fp16 [H, K] (widened to fp32 when read)
+//   A_log        fp32, bf16 or fp16 [H] or null;  dt_bias fp32, bf16 or fp16 [H, K] or null (widened to fp32)
 //   initial_state, final_state  bf16 or fp32 [N, H, V, K], each its own dtype (either may be null)
 //   cu_seqlens   int32 or int64 [N + 1] or null (then sequence n is tokens [n*seqlen, (n+1)*seqlen))
 struct FwdParams {
@@ -213,14 +220,17 @@ struct FwdParams {
   // (Fields below were appended after the kernels above were tuned: appending keeps every earlier field's offset,
   // and so the machine code of kernels that do not read them.)
   bool decode;         // the decode kernel (decode.cu): short sequences, token by token in fp32 registers
-  // Pooled states, or null: sequence n's state is entry n of the state tensors. flash_kda.fwd does not take
-  // indices yet (the binding leaves them null); the decode kernel already reads them through state_slot. With
-  // indices, initial_state and final_state are pools [pool_slots, H, V, K] and sequence n uses slot
+  // Pooled states, or null: sequence n's state is entry n of the state tensors. With indices, initial_state and final_state are pools [pool_slots, H, V, K] and sequence n uses slot
   // state_indices[n] (state_slot, state_slots.cuh): a negative index, or one outside [0, pool_slots), means no
   // state (start from zeros, write nothing); an index >= pool_slots is also reported through `status`.
   const void* state_indices;  // int32 or int64 [N] on the device, or null
   bool state_indices_is_int64;
   int64_t pool_slots;  // P, the pools' first dimension (N without indices)
+  // The model's options (gate.cuh). Grouped value heads: q and k have key_heads heads, everything else `heads`
+  // (a multiple of key_heads); value head h reads key head h / (heads / key_heads).
+  int key_heads;
+  GateKind gate;
+  float beta_scale;  // β = beta_scale · sigmoid(logit): 1, or 2 for negative eigenvalues
 };
 
 // Grid columns (grid.x) of the passes of a call, and so how a CTA column finds its work:

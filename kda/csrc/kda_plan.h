@@ -75,7 +75,13 @@ inline Plan plan_of(const FwdParams& p) {
 // splits are 1, 2, 4 or 8, and the single pass, the overlap and longest first each exclude a V split and the
 // time split (and each other); the decode kernel excludes every other choice. fwd (kda_fwd.cu) refuses a call whose
 // plan fails this.
-inline std::string plan_error(const Plan& plan, bool varlen, int64_t num_seqs) {
+// The single pass prepares its chunks in one scratch tile per warp, which holds no room for the softplus gate's
+// anchored operands (prepare_chunk.cuh): it runs the lower-bound gate only.
+inline std::string plan_error(const Plan& plan, bool varlen, int64_t num_seqs,
+                              GateKind gate = GateKind::kLowerBound) {
+  if (plan.single_pass && gate != GateKind::kLowerBound) {
+    return "flash_kda: the single pass runs the lower-bound gate only, got the softplus gate with single_pass";
+  }
   if (plan.decode && plan != Plan{1, 1, 0, false, -1, 0, false, true}) {
     return "flash_kda: the decode plan runs no V split, time split, single pass, overlap or longest first, got "
            "v_split " + std::to_string(plan.v_split) + ", scan_v_split " + std::to_string(plan.scan_v_split) +
@@ -284,7 +290,8 @@ inline bool decode_pays(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
 
 // The plan for a call, with whatever `forced` fixes.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
-                        const PlanOverrides& forced = {}) {
+                        const PlanOverrides& forced = {}, GateKind gate = GateKind::kLowerBound) {
+  const bool single_pass_runs = gate == GateKind::kLowerBound;  // (plan_error)
   const bool split_forced = forced.v_split.has_value() || forced.scan_v_split.has_value();
   const bool any_forced = split_forced || forced.segment_chunks.has_value() || forced.single_pass.has_value();
   const bool chunked_forced = any_forced || forced.lead_chunks.has_value();
@@ -307,7 +314,8 @@ inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
     plan = Plan{1, 1, 0, true};
   } else {
     plan = choose_two_stage_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count, forced.segment_chunks);
-    if (!single.has_value() && plan.segment_chunks == 0 && single_pass_pays(total_tokens, num_seqs, heads, sm_count)) {
+    if (!single.has_value() && plan.segment_chunks == 0 && single_pass_runs &&
+        single_pass_pays(total_tokens, num_seqs, heads, sm_count)) {
       plan = Plan{1, 1, 0, true};
     } else {
       const bool overlap = !lead.has_value() && !forced.segment_chunks.has_value() && !varlen &&

@@ -25,8 +25,13 @@ using prep::prepare_fixed_chunk;
 // Eight independent warps per CTA and two CTAs per SM: shared memory allows 18 warps (12 KB each), registers
 // are capped at 128 to match 16. CTAs of 8 rather than 2 warps keep an SM's warps on two stretches of the
 // (long, unrolled) code instead of eight, which the instruction cache rewards: 0.441 → 0.390 ms at T8192 H96.
-constexpr int kPrepWarps = 8;
-constexpr int kPrepCtasPerSm = 2;
+// The softplus gate's preparation (its anchored products) needs more registers: 3 CTAs of 4 warps per SM at up to
+// 168 registers.
+template <GateKind kGate>
+struct PrepShape {
+  static constexpr int kWarps = kGate == GateKind::kSoftplus ? 4 : 8;
+  static constexpr int kCtasPerSm = kGate == GateKind::kSoftplus ? 3 : 2;
+};
 
 // Time split of a varlen batch: the warp of a scanned segment's first chunk (head 0) enters the segment in its
 // window's table entry (kda_params.h). Entries of windows where no scanned segment starts keep the all-ones
@@ -41,6 +46,7 @@ __device__ __forceinline__ void note_scanned_segment(const FwdParams& p, int64_t
 }
 
 // Item `item` = (chunk slot, head) of the preparation, by one warp.
+template <GateKind kGate>
 __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, int lane, int warp) {
   const int H = p.heads;
   if (item >= num_chunk_slots(p.total_tokens, p.num_seqs) * H) return;  // warp-uniform; no CTA barrier below
@@ -61,17 +67,18 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
   PrepScratch& sc = reinterpret_cast<PrepScratch*>(prep_smem)[warp];
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(slot) * H + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
-  prepare_chunk<false>(p, h, bounds.bos + chunk * kChunk, rows, record, sc.kd, lane);
+  prepare_chunk<false, kGate>(p, h, bounds.bos + chunk * kChunk, rows, record, sc.kd, lane);
 }
 
 
 // The overlap's lead: item = (n, j < lead_chunks, h) of a fixed-length batch.
+template <GateKind kGate>
 __device__ __forceinline__ void prepare_lead_item(const FwdParams& p, int64_t item, int lane, int warp) {
   const int64_t chunks = (p.seqlen + kChunk - 1) / kChunk;
   const int64_t lead = p.lead_chunks < chunks ? p.lead_chunks : chunks;
   const int H = p.heads;
   if (item >= p.num_seqs * lead * H) return;  // warp-uniform
-  prepare_fixed_chunk(p, (item / H) % lead, item / (lead * H), static_cast<int>(item % H), lane, warp);
+  prepare_fixed_chunk<kGate>(p, (item / H) % lead, item / (lead * H), static_cast<int>(item % H), lane, warp);
 }
 
 // The overlap's ready flags, zeroed by the lead's threads (grid-stride; one flag per thread unless the lead is
@@ -89,16 +96,17 @@ __device__ __forceinline__ void zero_overlap_flags(const FwdParams& p) {
 // kLead: the overlap's lead (prepare_lead_item); its tail kernel is launched as this grid's programmatic
 // dependent, so it may start once every CTA of this one has (and waits for this grid to complete before it
 // publishes anything).
-template <bool kLead>
-__global__ void __launch_bounds__(kPrepWarps * 32, kPrepCtasPerSm) kda_prepare_kernel(const FwdParams p) {
+template <bool kLead, GateKind kGate>
+__global__ void __launch_bounds__(PrepShape<kGate>::kWarps * 32, PrepShape<kGate>::kCtasPerSm)
+    kda_prepare_kernel(const FwdParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrepWarps + warp;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * PrepShape<kGate>::kWarps + warp;
   if constexpr (kLead) {
     zero_overlap_flags(p);
     grid_launch_dependents();
-    prepare_lead_item(p, item, lane, warp);
+    prepare_lead_item<kGate>(p, item, lane, warp);
   } else {
-    prepare_item(p, item, lane, warp);
+    prepare_item<kGate>(p, item, lane, warp);
   }
 }
 
@@ -110,15 +118,19 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
                             ? p.num_seqs * (p.lead_chunks < chunks ? p.lead_chunks : chunks) * p.heads
                             : num_chunk_slots(p.total_tokens, p.num_seqs) * p.heads;
   if (items == 0) return;
-  const int64_t blocks = (items + kPrepWarps - 1) / kPrepWarps;
-  constexpr int kSmemBytes = kPrepWarps * static_cast<int>(sizeof(PrepScratch));
-  if (p.lead_chunks >= 0) {
-    opt_in_dynamic_smem<kda_prepare_kernel<true>>(kSmemBytes);
-    kda_prepare_kernel<true><<<static_cast<unsigned>(blocks), kPrepWarps * 32, kSmemBytes, stream>>>(p);
-  } else {
-    opt_in_dynamic_smem<kda_prepare_kernel<false>>(kSmemBytes);
-    kda_prepare_kernel<false><<<static_cast<unsigned>(blocks), kPrepWarps * 32, kSmemBytes, stream>>>(p);
-  }
+  with_gate(p.gate, [&](auto gate) {
+    constexpr GateKind kGate = decltype(gate)::value;
+    constexpr int kPrepWarps = PrepShape<kGate>::kWarps;
+    const int64_t blocks = (items + kPrepWarps - 1) / kPrepWarps;
+    constexpr int kSmemBytes = kPrepWarps * static_cast<int>(sizeof(PrepScratch));
+    if (p.lead_chunks >= 0) {
+      opt_in_dynamic_smem<kda_prepare_kernel<true, kGate>>(kSmemBytes);
+      kda_prepare_kernel<true, kGate><<<static_cast<unsigned>(blocks), kPrepWarps * 32, kSmemBytes, stream>>>(p);
+    } else {
+      opt_in_dynamic_smem<kda_prepare_kernel<false, kGate>>(kSmemBytes);
+      kda_prepare_kernel<false, kGate><<<static_cast<unsigned>(blocks), kPrepWarps * 32, kSmemBytes, stream>>>(p);
+    }
+  });
   KDA_CHECK_LAUNCH("kda_prepare_kernel");
 }
 

@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 
 #include "kda/csrc/device_math.cuh"
+#include "kda/csrc/gate.cuh"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/sm90_async.cuh"
 
@@ -34,7 +35,8 @@ struct PrepScratch {
 // Row stride of β·A in the kd tile: 24 floats keeps each half-warp's 8-byte fragment stores free of bank conflicts.
 constexpr int kAStride = 24;
 constexpr int kPrepTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16][128] tile
-static_assert(kChunk * kAStride * 4 <= kPrepTileBytes, "β·A must fit in one dead tile");
+static_assert(kChunk * kAStride * 4 + kChunk * kChunk * 4 <= kPrepTileBytes,
+              "β·A (and the softplus gate's Mqk staging behind it) must fit in one dead tile");
 
 // The lane's leaf of a squared norm over 128 values (lane l holding elements 4l..4l+3), in the order the twin
 // re-enacts: (x0²+x1²)+(x2²+x3²).
@@ -77,28 +79,6 @@ __device__ __forceinline__ void unpack4(uint2 raw, float (&x)[4]) {
   for (int i = 0; i < 4; ++i) x[i] = bf16_to_float(h[i]);
 }
 
-// A gate parameter (A_log, dt_bias) element widened to fp32, whatever the caller's dtype (exact).
-__device__ __forceinline__ float load_param(const void* base, ParamType type, int64_t i) {
-  switch (type) {
-    case ParamType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-    case ParamType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
-  }
-}
-// Four consecutive elements (i % 4 == 0: one 16- or 8-byte load).
-__device__ __forceinline__ void load_param4(const void* base, ParamType type, int64_t i, float (&x)[4]) {
-  if (type == ParamType::kFloat32) {
-    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-  } else if (type == ParamType::kBFloat16) {
-    unpack4(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + i), x);
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + i);
-    const __half2 lo = *reinterpret_cast<const __half2*>(&raw.x), hi = *reinterpret_cast<const __half2*>(&raw.y);
-    x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
-  }
-}
-
 // Row address for ldmatrix of the A fragment of rows 0..15, k-step ks, of a swizzled [16][128] tile.
 __device__ __forceinline__ const __nv_bfloat16* a_frag_row(const __nv_bfloat16* tile, int ks, int lane) {
   const int m = lane >> 3, row = (lane & 7) + 8 * (m & 1), col = 16 * ks + 8 * (m >> 1);
@@ -117,6 +97,239 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
 }
 
 
+// Kr = k̂·2^(Γ − G) of row r, channel c (kh = k̂), packed into Krᵀ's row pairs.
+__device__ __forceinline__ void restored_key(int r, int c, float kh, const float (&cum)[kChunk][kChannelsPerLane],
+                                             float (&kr_even)[kChannelsPerLane],
+                                             uint32_t (&krt_packed)[kChannelsPerLane][kChunk / 2]) {
+  const float kr = __fmul_rn(kh, ex2_approx(__fsub_rn(cum[kChunk - 1][c], cum[r][c])));
+  if (r % 2 == 0) {
+    kr_even[c] = kr;
+  } else {
+    krt_packed[c][r / 2] = pack_bf16x2(kr_even[c], kr);
+  }
+}
+
+// ---- The softplus gate's intra-chunk products (docs/NUMERICS.md, "The softplus gate") -------------------------
+// A = Σ_c k̂_i k̂_j 2^(G_i − G_j) (i > j) and Mqk = Σ_c q̃_i k̂_j 2^(G_i − G_j) (i ≥ j), q̃ = scale·q̂, without the
+// factor 2^(−G) of Ki, which overflows once a chunk's decay passes 2^−128 (the lower-bound gate cannot get there in
+// 16 tokens). The 16 rows form 4 blocks of 4. A pair inside a block has its coefficient formed directly, and its
+// sum over the channels is taken in fp32 (the halving tree). A pair across blocks splits the coefficient at an
+// anchor row e between them, 2^(G_i − G_e) · 2^(G_e − G_j), both exponents ≤ 0, and is a tensor-core product of
+// (k̂_i or q̃_i)·2^(G_i − G_e) and k̂_j·2^(G_e − G_j). Anchors: row 7 for rows 8..15 against 0..7, row 3 for 4..7
+// against 0..3, row 11 for 12..15 against 8..11. One m16n16 product holds all three:
+//   A-operand tiles (Lk, Lq) row x: rows 4..15 at x = i − 4 (anchor 3 for i < 8, else 7), rows 12..15 also at
+//   x = i (anchor 11);  B-operand tile (R) row y: j 0..7 at y = j (anchor 7), j 8..11 at y = j (anchor 11),
+//   j 0..3 at y = j + 12 (anchor 3).
+// Tile rows are written no later than the raw row of the same tile index is read (Lq and R share tiles with the
+// raw q and k rows), except R's rows 12..15, held until the loop ends. A factor that underflows to zero bounds
+// its coefficient below 2^−126: nothing overflows.
+constexpr int kAnchorBlock = 4;
+constexpr int kDiagPairs = 16;  // per block: 6 pairs i > j of A, then 10 pairs i ≥ j of Mqk
+
+// Pair p of a block: rows (i, j) within the block and whether it is A's (else Mqk's).
+__host__ __device__ constexpr void diag_pair(int p, int& i, int& j, bool& of_a) {
+  of_a = p < 6;
+  const int q = of_a ? p : p - 6;
+  if (of_a) {
+    i = q < 1 ? 1 : (q < 3 ? 2 : 3);
+    j = q - i * (i - 1) / 2;
+  } else {
+    i = q < 1 ? 0 : (q < 3 ? 1 : (q < 6 ? 2 : 3));
+    j = q - i * (i + 1) / 2;
+  }
+}
+
+__device__ __forceinline__ uint2 pack4_scaled(const float (&x)[4], const float (&f)[4]) {
+  return make_uint2(pack_bf16x2(__fmul_rn(x[0], f[0]), __fmul_rn(x[1], f[1])),
+                    pack_bf16x2(__fmul_rn(x[2], f[2]), __fmul_rn(x[3], f[3])));
+}
+// 2^(G_to − G_from) for the lane's channels.
+__device__ __forceinline__ void anchor_factors(const float (&to)[4], const float (&from)[4], float (&f)[4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) f[c] = ex2_approx(__fsub_rn(to[c], from[c]));
+}
+
+// Row r's operand rows (kh = k̂, qt = q̃): into Lk, Lq and R, or R's late rows.
+__device__ __forceinline__ void anchored_operand_rows(int r, const float (&kh)[4], const float (&qt)[4],
+                                                      const float (&cum)[kChunk][kChannelsPerLane], int ch0,
+                                                      __nv_bfloat16* lk, __nv_bfloat16* lq, __nv_bfloat16* rt,
+                                                      uint2 (&late_rows)[kAnchorBlock]) {
+  float f[4];
+  if (r >= kAnchorBlock) {
+    anchor_factors(cum[r], cum[r < 2 * kAnchorBlock ? 3 : 7], f);
+    const int at = swizzle_wide(r - kAnchorBlock, ch0);
+    *reinterpret_cast<uint2*>(lk + at) = pack4_scaled(kh, f);
+    *reinterpret_cast<uint2*>(lq + at) = pack4_scaled(qt, f);
+  }
+  if (r >= 3 * kAnchorBlock) {
+    anchor_factors(cum[r], cum[11], f);
+    const int at = swizzle_wide(r, ch0);
+    *reinterpret_cast<uint2*>(lk + at) = pack4_scaled(kh, f);
+    *reinterpret_cast<uint2*>(lq + at) = pack4_scaled(qt, f);
+  }
+  if (r < 3 * kAnchorBlock) {
+    anchor_factors(cum[r < 2 * kAnchorBlock ? 7 : 11], cum[r], f);
+    *reinterpret_cast<uint2*>(rt + swizzle_wide(r, ch0)) = pack4_scaled(kh, f);
+  }
+  if (r < kAnchorBlock) {
+    anchor_factors(cum[3], cum[r], f);
+    late_rows[r] = pack4_scaled(kh, f);
+  }
+}
+
+// The lane's leaves of the pair sums of block b whose later row is row i of the block (kh = k̂, qt = q̃ of that row;
+// block_k: k̂ of the block's earlier rows): ((x0 + x1) + (x2 + x3)), x_c = (a_c · k̂_j,c) · 2^(G_i,c − G_j,c), a = k̂_i
+// (A) or q̃_i (Mqk); the diagonal's coefficient is 1 (not multiplied), and A's and Mqk's pairs share theirs.
+__device__ __forceinline__ void diag_row_leaves(int b, int i, const float (&kh)[4], const float (&qt)[4],
+                                                const float (&block_k)[kAnchorBlock][kChannelsPerLane],
+                                                const float (&cum)[kChunk][kChannelsPerLane],
+                                                float (&leaves)[kDiagPairs]) {
+  const int row = kAnchorBlock * b + i;
+#pragma unroll
+  for (int j = 0; j <= i; ++j) {
+    float xa[4], xm[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float kj = j == i ? kh[c] : block_k[j][c];
+      xa[c] = __fmul_rn(kh[c], kj);
+      xm[c] = __fmul_rn(qt[c], kj);
+      if (j < i) {
+        const float coeff = ex2_approx(__fsub_rn(cum[row][c], cum[kAnchorBlock * b + j][c]));
+        xa[c] = __fmul_rn(xa[c], coeff);
+        xm[c] = __fmul_rn(xm[c], coeff);
+      }
+    }
+    // Pair indices (diag_pair): A's (i, j) is i(i − 1)/2 + j, Mqk's (i, j) is 6 + i(i + 1)/2 + j.
+    if (j < i) leaves[i * (i - 1) / 2 + j] = __fadd_rn(__fadd_rn(xa[0], xa[1]), __fadd_rn(xa[2], xa[3]));
+    leaves[6 + i * (i + 1) / 2 + j] = __fadd_rn(__fadd_rn(xm[0], xm[1]), __fadd_rn(xm[2], xm[3]));
+  }
+}
+
+// What the softplus gate's rows carry from row to row: k̂ of the current block's rows, the leaves of its pair sums,
+// the block sums (diag_sums[b]: sum lane / 2 of block b) and R's rows 12..15 (written once raw k's rows 12..15 are
+// read).
+struct AnchoredRows {
+  float block_k[kAnchorBlock][kChannelsPerLane];
+  float leaves[kDiagPairs];
+  float diag_sums[kChunk / kAnchorBlock];
+  uint2 late_rows[kAnchorBlock];
+};
+
+// Row r's part of the softplus gate's products (kh = k̂, qt = q̃), once every lane has read the raw row r: its
+// operand rows (anchored_operand_rows) and its block's pair leaves; the block's sums after its last row.
+__device__ __forceinline__ void anchored_row(int r, const float (&kh)[4], const float (&qt)[4],
+                                             const float (&cum)[kChunk][kChannelsPerLane], int ch0, int lane,
+                                             __nv_bfloat16* lk, __nv_bfloat16* lq, __nv_bfloat16* rt,
+                                             AnchoredRows& a) {
+  anchored_operand_rows(r, kh, qt, cum, ch0, lk, lq, rt, a.late_rows);
+  diag_row_leaves(r / kAnchorBlock, r % kAnchorBlock, kh, qt, a.block_k, cum, a.leaves);
+#pragma unroll
+  for (int c = 0; c < kChannelsPerLane; ++c) a.block_k[r % kAnchorBlock][c] = kh[c];
+  if (r % kAnchorBlock == kAnchorBlock - 1) a.diag_sums[r / kAnchorBlock] = reduce_scatter_16(a.leaves, lane);
+}
+
+__device__ __forceinline__ void anchored_late_rows(const AnchoredRows& a, int ch0, __nv_bfloat16* rt) {
+#pragma unroll
+  for (int i = 0; i < kAnchorBlock; ++i) {
+    *reinterpret_cast<uint2*>(rt + swizzle_wide(3 * kAnchorBlock + i, ch0)) = a.late_rows[i];
+  }
+}
+
+// The softplus gate's A and Mqk from the product of Lk / Lq with Rᵀ (accumulators as in phase 3) and the block
+// sums (anchored_rows): β·A into a_rows (row stride kAStride), Mqk into rec_mqk. m_stage: fp32 [16][16] scratch.
+__device__ __forceinline__ void anchored_epilogue(const float (&a_acc)[2][4], const float (&m_acc)[2][4],
+                                                  const float (&diag_sums)[kChunk / kAnchorBlock], float my_beta,
+                                                  float* a_rows,
+                                                  float* m_stage, __nv_bfloat16* rec_mqk, int lane) {
+  const int gi = lane >> 2, ti = lane & 3;
+  // Accumulator (half, nt, e) is tile row x = gi + 8·half, column y = 8·nt + 2·ti + e (A row i, column j):
+  //   nt 0, x in 4..11: anchor 7, i = x + 4, j = y;  nt 1, x in 0..3, y ≥ 12: anchor 3, i = x + 4, j = y − 12;
+  //   nt 1, x in 12..15, y in 8..11: anchor 11, i = x, j = y.  The rest mixes anchors and is dropped.
+  const float beta_x4 = __shfl_sync(0xffffffffu, my_beta, (gi + 4) & 15);
+  const float beta_x12 = __shfl_sync(0xffffffffu, my_beta, (gi + 12) & 15);
+  const float beta_x8 = __shfl_sync(0xffffffffu, my_beta, (gi + 8) & 15);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int x = gi + 8 * half;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int y = 8 * nt + 2 * ti + e;
+        int i = -1, j = 0;
+        float b = 0.f;
+        if (nt == 0 && x >= 4 && x < 12) {
+          i = x + 4, j = y, b = half == 0 ? beta_x4 : beta_x12;
+        } else if (nt == 1 && x < 4 && y >= 12) {
+          i = x + 4, j = y - 12, b = beta_x4;
+        } else if (nt == 1 && x >= 12 && y < 12) {
+          i = x, j = y, b = beta_x8;
+        }
+        if (i >= 0) {
+          a_rows[i * kAStride + j] = __fmul_rn(a_acc[nt][2 * half + e], b);
+          m_stage[i * kChunk + j] = m_acc[nt][2 * half + e];
+        }
+      }
+    }
+  }
+  // The block sums: lanes 2p and 2p + 1 hold pair p of every block (the even one writes it).
+  int pi = 0, pj = 0;
+  bool of_a = false;
+  diag_pair(lane >> 1, pi, pj, of_a);
+#pragma unroll
+  for (int b = 0; b < kChunk / kAnchorBlock; ++b) {
+    const int i = kAnchorBlock * b + pi, j = kAnchorBlock * b + pj;
+    const float beta_i = __shfl_sync(0xffffffffu, my_beta, i);
+    if ((lane & 1) == 0) {
+      if (of_a) {
+        a_rows[i * kAStride + j] = __fmul_rn(diag_sums[b], beta_i);
+      } else {
+        m_stage[i * kChunk + j] = diag_sums[b];
+      }
+    }
+  }
+  __syncwarp();
+  // Mqk, causally masked: lane l writes row l / 2, columns 8·(l % 2) .. + 7 (one 16-byte piece).
+  const int row = lane >> 1, col0 = 8 * (lane & 1);
+  uint32_t bits[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int col = col0 + 2 * c;
+    bits[c] = pack_bf16x2(col <= row ? m_stage[row * kChunk + col] : 0.f,
+                          col + 1 <= row ? m_stage[row * kChunk + col + 1] : 0.f);
+  }
+  *reinterpret_cast<uint4*>(rec_mqk + swizzle_narrow(row, col0)) = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+}
+
+// The lower-bound gate's A and Mqk from the products Kd·Kiᵀ and Qd·Kiᵀ (accumulators of phase 3): β·A into a_rows
+// (row stride kAStride), Mqk, causally masked, into rec_mqk.
+__device__ __forceinline__ void product_epilogue(const float (&a_acc)[2][4], const float (&m_acc)[2][4], float my_beta,
+                                                 float* a_rows, __nv_bfloat16* rec_mqk, int lane) {
+  const int gi = lane >> 2, ti = lane & 3;
+  const float beta_lo = __shfl_sync(0xffffffffu, my_beta, gi), beta_hi = __shfl_sync(0xffffffffu, my_beta, gi + 8);
+  // Mqk's row gi + 8·half: lane ti holds columns 2ti, 2ti + 1 of both n-tiles; lane pairs trade so that the even
+  // lane stores columns 2ti .. 2ti + 3 and the odd one 2ti + 6 .. 2ti + 9, and 4 lanes write the row's whole sector.
+  const bool odd = (ti & 1) != 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = gi + 8 * half;
+    const float b = half == 0 ? beta_lo : beta_hi;
+    uint32_t m_bits[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int col = 8 * nt + 2 * ti;  // accumulators 2·half, 2·half + 1
+      *reinterpret_cast<float2*>(a_rows + row * kAStride + col) =
+          make_float2(__fmul_rn(a_acc[nt][2 * half], b), __fmul_rn(a_acc[nt][2 * half + 1], b));
+      const float m0 = col <= row ? m_acc[nt][2 * half] : 0.f;
+      const float m1 = col + 1 <= row ? m_acc[nt][2 * half + 1] : 0.f;
+      m_bits[nt] = pack_bf16x2(m0, m1);
+    }
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? m_bits[0] : m_bits[1], 1);
+    *reinterpret_cast<uint2*>(rec_mqk + swizzle_narrow(row, 2 * ti + (odd ? 6 : 0))) =
+        odd ? make_uint2(got, m_bits[1]) : make_uint2(m_bits[0], got);
+  }
+}
+
 // One chunk of one head, by one warp: rows t0 .. t0 + rows - 1 (rows <= 16; the rest are zero) into `record`.
 // kInSmem = false (the preparation kernel): `record` is a workspace record, `scratch` three tiles (PrepScratch).
 // kInSmem = true (the single-pass kernel): `record` is a ring stage in shared memory and `scratch` one tile. The
@@ -126,16 +339,20 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
 // On return every async copy this warp issued before the call has landed too.
 // Every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves) rather than two
 // partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
-template <bool kInSmem>
+template <bool kInSmem, GateKind kGate = GateKind::kLowerBound>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {
   const int H = p.heads;
+  const int hk = key_head_of(p, h);
   const auto* q = static_cast<const __nv_bfloat16*>(p.q);
   const auto* k = static_cast<const __nv_bfloat16*>(p.k);
   const auto* g = static_cast<const __nv_bfloat16*>(p.g);
   const auto* beta = static_cast<const __nv_bfloat16*>(p.beta);
   const int ch0 = kChannelsPerLane * lane;
+  static_assert(!kInSmem || kGate == GateKind::kLowerBound, "the single pass runs the lower-bound gate only");
+  constexpr bool softplus = kGate == GateKind::kSoftplus;
   auto row_offset = [&](int r) { return ((t0 + r) * H + h) * kHeadDim + ch0; };
+  auto key_row_offset = [&](int r) { return ((t0 + r) * p.key_heads + hk) * kHeadDim + ch0; };
 
   auto* rec_kq = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kKdQdOffset);
   auto* rec_krt = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kKrTOffset);
@@ -159,23 +376,19 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
 #pragma unroll
   for (int r = 0; r < kChunk; ++r) {
     const bool valid = r < rows;
-    const int64_t at = valid ? row_offset(r) : 0;
-    cp_async_8(raw_q(r), q + at, valid ? 8 : 0);
-    cp_async_8(raw_k(r), k + at, valid ? 8 : 0);
+    const int64_t at = valid ? row_offset(r) : 0, key_at = valid ? key_row_offset(r) : 0;
+    cp_async_8(raw_q(r), q + key_at, valid ? 8 : 0);
+    cp_async_8(raw_k(r), k + key_at, valid ? 8 : 0);
     cp_async_8(raw_g + r * kHeadDim + ch0, g + at, valid ? 8 : 0);
   }
   cp_async_commit();
-  const float a_log = load_param(p.A_log, p.A_log_type, h);
-  float bias_c[4];
-  load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, bias_c);
+  const HeadGate hg = head_gate(p, h, ch0);
   const bool has_beta = lane < rows;  // lanes 0..15 own β of row `lane`
   const float beta_raw = has_beta ? bf16_to_float(beta[(t0 + lane) * H + h]) : 0.f;
   cp_async_wait<0>();
   __syncwarp();
 
-  // Phase 1: gates γ = sigmoid((g + dt_bias)·2^(A_log·log2 e))·lower_bound·log2 e and their running sum G.
-  const float exp_a = ex2_approx(__fmul_rn(a_log, kLog2e));
-  const float gate_scale = __fmul_rn(p.lower_bound, kLog2e);
+  // Phase 1: the gates γ (gate.cuh) and their running sum G.
   float cum[kChunk][kChannelsPerLane];
   {
     float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
@@ -185,14 +398,13 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       unpack4(*reinterpret_cast<const uint2*>(raw_g + r * kHeadDim + ch0), gf);
 #pragma unroll
       for (int c = 0; c < kChannelsPerLane; ++c) {
-        const float x = __fmul_rn(__fadd_rn(gf[c], bias_c[c]), exp_a);
-        const float gamma = r < rows ? __fmul_rn(sigmoid_approx(x), gate_scale) : 0.f;
+        const float gamma = r < rows ? gate_log2<kGate>(hg, c, gf[c]) : 0.f;
         acc[c] = __fadd_rn(acc[c], gamma);
         cum[r][c] = acc[c];
       }
     }
   }
-  const float my_beta = has_beta ? sigmoid_approx(beta_raw) : 0.f;  // lanes 0..15: β of row `lane`
+  const float my_beta = has_beta ? beta_of(p, beta_raw) : 0.f;  // lanes 0..15: β of row `lane`
   if (lane < kChunk) rec_beta[lane] = my_beta;
   {
     float4 decay;
@@ -216,9 +428,10 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   }
   const float my_inv_norm = inv_norm(reduce_scatter_32(leaves, lane));
 
-  // Phase 2b, row by row: the decayed / restored keys and queries.
+  // Phase 2b, row by row: the decayed / restored keys and queries (softplus gate: and the anchored products' rows).
   uint32_t krt_packed[kChannelsPerLane][kChunk / 2];
   float kr_even[kChannelsPerLane];
+  AnchoredRows anchored;
 #pragma unroll
   for (int r = 0; r < kChunk; ++r) {
     float qf[4], kf[4];
@@ -226,21 +439,16 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     unpack4(*reinterpret_cast<const uint2*>(raw_k(r)), kf);
     const float inv_norm_q = __shfl_sync(0xffffffffu, my_inv_norm, r);
     const float inv_norm_k = __shfl_sync(0xffffffffu, my_inv_norm, kChunk + r);
-    float kd[4], qd[4], ki[4];
+    float kd[4], qd[4], ki[4], kh[4], qt[4];
 #pragma unroll
     for (int c = 0; c < kChannelsPerLane; ++c) {
-      const float k_hat = __fmul_rn(kf[c], inv_norm_k);
-      const float q_hat = __fmul_rn(qf[c], inv_norm_q);
+      kh[c] = __fmul_rn(kf[c], inv_norm_k);
+      qt[c] = __fmul_rn(__fmul_rn(qf[c], inv_norm_q), p.scale);
       const float decay = ex2_approx(cum[r][c]);
-      kd[c] = __fmul_rn(k_hat, decay);
-      qd[c] = __fmul_rn(__fmul_rn(q_hat, p.scale), decay);
-      ki[c] = __fmul_rn(k_hat, ex2_approx(-cum[r][c]));
-      const float kr = __fmul_rn(k_hat, ex2_approx(__fsub_rn(cum[kChunk - 1][c], cum[r][c])));
-      if (r % 2 == 0) {
-        kr_even[c] = kr;
-      } else {
-        krt_packed[c][r / 2] = pack_bf16x2(kr_even[c], kr);
-      }
+      kd[c] = __fmul_rn(kh[c], decay);
+      qd[c] = __fmul_rn(qt[c], decay);
+      if constexpr (!softplus) ki[c] = __fmul_rn(kh[c], ex2_approx(-cum[r][c]));
+      restored_key(r, c, kh[c], cum, kr_even, krt_packed);
     }
     const int at = swizzle_wide(r, ch0);
     const uint2 kd_bits = make_uint2(pack_bf16x2(kd[0], kd[1]), pack_bf16x2(kd[2], kd[3]));
@@ -249,12 +457,17 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     __syncwarp();  // every lane has read row r's raw q and k before any lane overwrites the row
     *reinterpret_cast<uint2*>(rec_kq + record_kq(0, r, ch0)) = kd_bits;
     *reinterpret_cast<uint2*>(rec_kq + record_kq(1, r, ch0)) = qd_bits;
+    if constexpr (softplus) {
+      anchored_row(r, kh, qt, cum, ch0, lane, tile_kd, tile_qd, tile_ki, anchored);
+      continue;
+    }
     if constexpr (!kInSmem) {
       *reinterpret_cast<uint2*>(tile_kd + at) = kd_bits;
       *reinterpret_cast<uint2*>(tile_qd + at) = qd_bits;
     }
     *reinterpret_cast<uint2*>(tile_ki + at) = ki_bits;
   }
+  if constexpr (softplus) anchored_late_rows(anchored, ch0, tile_ki);
   // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
   // writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's even row, then of
   // its odd row.
@@ -277,7 +490,8 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   }
   __syncwarp();
 
-  // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order. Mqk leaves from the
+  // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order (softplus gate: Lk·Rᵀ and Lq·Rᵀ, the
+  // same tiles' places, then anchored_epilogue). Mqk leaves from the
   // accumulators, causally masked; β·A goes to a dead tile (kd, or ki once read) for the substitution: its factors
   // A_im·β_i, each rounded once here instead of once by every column's lane (the same value).
   float* a_rows = reinterpret_cast<float*>(kInSmem ? tile_ki : tile_kd);
@@ -302,28 +516,10 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       }
     }
     __syncwarp();  // every lane's fragments of the tile are read before β·A overwrites it
-    const int gi = lane >> 2, ti = lane & 3;
-    const float beta_lo = __shfl_sync(0xffffffffu, my_beta, gi), beta_hi = __shfl_sync(0xffffffffu, my_beta, gi + 8);
-    // Mqk's row gi + 8·half: lane ti holds columns 2ti, 2ti + 1 of both n-tiles; lane pairs trade so that the even
-    // lane stores columns 2ti .. 2ti + 3 and the odd one 2ti + 6 .. 2ti + 9, and 4 lanes write the row's whole sector.
-    const bool odd = (ti & 1) != 0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = gi + 8 * half;
-      const float b = half == 0 ? beta_lo : beta_hi;
-      uint32_t m_bits[2];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int col = 8 * nt + 2 * ti;  // accumulators 2·half, 2·half + 1
-        *reinterpret_cast<float2*>(a_rows + row * kAStride + col) =
-            make_float2(__fmul_rn(a_acc[nt][2 * half], b), __fmul_rn(a_acc[nt][2 * half + 1], b));
-        const float m0 = col <= row ? m_acc[nt][2 * half] : 0.f;
-        const float m1 = col + 1 <= row ? m_acc[nt][2 * half + 1] : 0.f;
-        m_bits[nt] = pack_bf16x2(m0, m1);
-      }
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? m_bits[0] : m_bits[1], 1);
-      *reinterpret_cast<uint2*>(rec_mqk + swizzle_narrow(row, 2 * ti + (odd ? 6 : 0))) =
-          odd ? make_uint2(got, m_bits[1]) : make_uint2(m_bits[0], got);
+    if constexpr (softplus) {
+      anchored_epilogue(a_acc, m_acc, anchored.diag_sums, my_beta, a_rows, a_rows + kChunk * kAStride, rec_mqk, lane);
+    } else {
+      product_epilogue(a_acc, m_acc, my_beta, a_rows, rec_mqk, lane);
     }
   }
   __syncwarp();
@@ -347,6 +543,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
 
 
 // Chunk j of sequence n, head h, of a fixed-length batch (the overlap's items), into its record.
+template <GateKind kGate>
 __device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t j, int64_t n, int h, int lane,
                                                     int warp) {
   const int64_t bos = n * p.seqlen;
@@ -357,7 +554,7 @@ __device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t 
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(first_slot(bos, n) + j) * p.heads + h) *
                         static_cast<size_t>(ChunkRecordLayout::kBytes);
-  prepare_chunk<false>(p, h, bos + j * kChunk, rows, record, sc.kd, lane);
+  prepare_chunk<false, kGate>(p, h, bos + j * kChunk, rows, record, sc.kd, lane);
 }
 
 }  // namespace prep

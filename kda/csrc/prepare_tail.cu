@@ -25,9 +25,13 @@ using prep::prepare_fixed_chunk;
 // items measured 10 % slower: 1.66 against 1.51 ms for T8192 H96's 49,152 records on 36 SMs), and publish each
 // record with its ready flag. 12 warps of 168 registers: 16 of 128 spill 120 bytes and ran no faster, 8 of 255
 // slower (measured on the H200, 2026-12-01).
-constexpr int kTailWarps = 12;
+// The softplus gate's anchored products need more registers: 8 warps.
+template <GateKind kGate>
+constexpr int kTailWarpsOf = kGate == GateKind::kSoftplus ? 8 : 12;
 
-__global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(const FwdParams p) {
+template <GateKind kGate>
+__global__ void __launch_bounds__(kTailWarpsOf<kGate> * 32, 1) kda_prepare_tail_kernel(const FwdParams p) {
+  constexpr int kTailWarps = kTailWarpsOf<kGate>;
   grid_dependency_wait();   // the lead's records and the flags' zeroing are complete and visible
   grid_launch_dependents();  // the recurrence may launch once every tail CTA is here
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -42,7 +46,7 @@ __global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(co
        base += static_cast<int>(gridDim.x) * kTailWarps) {
     const int item = base + warp;
     if (item < items) {
-      prepare_fixed_chunk(p, p.lead_chunks + item / per_chunk, (item / H) % N, item % H, lane, warp);
+      prepare_fixed_chunk<kGate>(p, p.lead_chunks + item / per_chunk, (item / H) % N, item % H, lane, warp);
       // Release: every lane's record stores, for the async proxy (the bulk copy that reads the record) and
       // GPU-wide, before lane 0 sets the flag (run_chunks' producer warp has the acquire half).
       fence_proxy_async_global();
@@ -56,15 +60,19 @@ __global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(co
 }  // namespace
 
 void launch_prepare_tail(const FwdParams& p, cudaStream_t stream) {
-  constexpr int kSmemBytes = kTailWarps * static_cast<int>(sizeof(PrepScratch));
-  constexpr auto kKernel = kda_prepare_tail_kernel;
-  opt_in_dynamic_smem<kKernel>(kSmemBytes);
-  const dim3 grid(static_cast<unsigned>(p.tail_ctas)), block(kTailWarps * 32);
-  if (p.lead_chunks > 0) {
-    launch_dependent(kKernel, grid, block, kSmemBytes, stream, p);
-  } else {
-    kKernel<<<grid, block, kSmemBytes, stream>>>(p);  // no lead kernel to depend on
-  }
+  with_gate(p.gate, [&](auto gate) {
+    constexpr GateKind kGate = decltype(gate)::value;
+    constexpr int kTailWarps = kTailWarpsOf<kGate>;
+    constexpr int kSmemBytes = kTailWarps * static_cast<int>(sizeof(PrepScratch));
+    constexpr auto kKernel = kda_prepare_tail_kernel<kGate>;
+    opt_in_dynamic_smem<kKernel>(kSmemBytes);
+    const dim3 grid(static_cast<unsigned>(p.tail_ctas)), block(kTailWarps * 32);
+    if (p.lead_chunks > 0) {
+      launch_dependent(kKernel, grid, block, kSmemBytes, stream, p);
+    } else {
+      kKernel<<<grid, block, kSmemBytes, stream>>>(p);  // no lead kernel to depend on
+    }
+  });
   KDA_CHECK_LAUNCH("kda_prepare_tail_kernel");
 }
 

@@ -31,6 +31,25 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
 - ``forced_decode``: the cases of the slices above except smoke and long_context again under
   ``force_plan(decode=True)`` (sequences of more than DECODE_FORCED_MAX_TOKENS tokens left out: the twin steps
   token by token), so the decode kernel runs long, ragged and adversarial sequences too.
+- ``gate_softplus``: the softplus gate (``gate="softplus"``, λ = −exp(A_log)·softplus(g + dt_bias)) with A_log up to
+  ln 16 and g + dt_bias spanning ±50 (SOFTPLUS_RECIPES): every state configuration, short and long fixed lengths
+  (H 1 to 96), varlen, batched, decode lengths (T ≤ 16), a per-token log decay of -960 (the state is erased at
+  every token: no NaN or inf, and the result of a zero initial state), A_log or dt_bias None, bf16 / fp16 gate
+  parameters, mixed state dtypes, pools.
+- ``neg_eigval``: ``allow_neg_eigval=True`` (β = 2·sigmoid(beta), eigenvalues of the transition in (-1, 1)) under
+  both gates: every state configuration, fixed, varlen, batched and decode lengths, beta logits at ±10 (β ≈ 2:
+  reflections), near-collinear keys, pools.
+- ``gva``: grouped value heads (G = H / key heads = 2 and 4; H 4 to 96 value heads, so 1 to 48 key heads) under
+  both gates, with and without negative eigenvalues: every state configuration, fixed, varlen, batched, decode
+  lengths, pools (padding rows, in place).
+  Each of these three slices runs its cases under the automatic plan and again under every forced plan kind
+  (``_with_forced_plans``: V split, time split, single pass (two stages for the softplus gate, which the single
+  pass does not run), overlap on fixed lengths, and the decode kernel on sequences of more than 16 tokens or a
+  chunked plan on shorter ones); cases of more than HEAVY_TOKEN_HEADS token-heads take one forced kind each, in
+  turn.
+
+``Case.H`` is the number of value heads (the heads of v, g, beta, out and the states: what the plan and the
+kernels run over); q and k have ``H // G`` key heads, value head h reading key head ``h // G``.
 
 A state configuration is (state_io, state_dtype): state_io in STATE_IO, state dtype bf16 or fp32 ("none" for
 no_state, where no state tensor exists so the dtype has no meaning and is not repeated).
@@ -39,6 +58,7 @@ no_state, where no state tensor exists so the dtype has no meaning and is not re
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -65,7 +85,12 @@ DECODE_FORCED_MAX_TOKENS = 4096  # longest sequence of a forced_decode case
 SLICES = (
     "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
     "forced_vsplit", "forced_tsplit", "forced_single_pass", "forced_overlap", "pool", "decode", "forced_decode",
+    "gate_softplus", "neg_eigval", "gva",
 )  # fmt: skip
+OPTION_SLICES = ("gate_softplus", "neg_eigval", "gva")  # the slices of the gates, negative eigenvalues and GVA
+GATES = ("lower_bound", "softplus")
+HEAVY_TOKEN_HEADS = 1 << 17  # an option slice's case of more tokens x heads than this takes one forced plan kind
+SOFTPLUS_A_LOG_RANGE = (-2.0, math.log(16.0))  # A_log of the softplus gate's cases: exp(A_log) in [0.14, 16]
 FORCED_V_SPLITS = (1, 2, 4, 8)
 FORCED_SEGMENT_CHUNKS = (1, 2, 3, 5, 8)
 FORCED_LEAD_CHUNKS = (0, 1, 2, 5)
@@ -81,7 +106,13 @@ INPUT_RECIPES = (
     "beta=+10",  # beta ≈ 1
     "beta=-10",  # beta ≈ 0
     "beta=±10",  # random signs: each token either writes fully or not at all
+    # The softplus gate's (SOFTPLUS_RECIPES): A_log in SOFTPLUS_A_LOG_RANGE unless said otherwise.
+    "g=U±50",  # g uniform in ±46, so g + dt_bias spans about ±50: decays from none to -800 per token
+    "g=+50",  # g constant +50: a log decay of -exp(A_log)·50 per token (the state is almost erased each token)
+    "g=-50",  # g constant -50: softplus ≈ 2e-22, no decay at all (the state accumulates)
+    "decay=-960",  # A_log = ln 16, dt_bias = 0, g = 60: a log decay of -960 per token (exp underflows to 0)
 )
+SOFTPLUS_RECIPES = ("g=U±50", "g=+50", "g=-50", "decay=-960")
 
 
 @dataclass(frozen=True)
@@ -110,6 +141,11 @@ class Case:
     padding: int = 0  # with a pool: this many sequences get a negative index (no slot)
     indices_int32: bool = False  # with a pool: int32 state_indices (else int64)
     indices_on_host: bool = False  # with a pool: state_indices on the CPU (copied through the workspace)
+    gate: str = "lower_bound"  # fwd's gate: "lower_bound" or "softplus" (lower_bound is then passed as None)
+    neg_eigval: bool = False  # fwd's allow_neg_eigval: beta = 2·sigmoid(logit)
+    G: int = 1  # value heads per key head (GVA when > 1): q and k have H // G heads
+    has_A_log: bool = True  # False: A_log=None (exp(A_log) taken as 1)
+    has_dt_bias: bool = True  # False: dt_bias=None (taken as 0)
     seed: int = -1  # -1: derived from the id
 
     def __post_init__(self) -> None:
@@ -126,6 +162,9 @@ class Case:
         assert not self.final_dtype or (self.has_final and not self.inplace_state)
         assert self.pool >= 0 and 0 <= self.padding <= self.num_seqs
         assert not self.pool or (self.state_io != "no_state" and self.pool >= self.num_seqs - self.padding)
+        assert self.gate in GATES, self.gate
+        assert self.G >= 1 and self.H % self.G == 0, (self.H, self.G)
+        assert self.inputs not in SOFTPLUS_RECIPES or self.gate == "softplus", (self.inputs, self.gate)
 
     @property
     def varlen(self) -> bool:
@@ -153,6 +192,11 @@ class Case:
         return self.B * self.T
 
     @property
+    def key_heads(self) -> int:
+        """Heads of q and k (H // G)."""
+        return self.H // self.G
+
+    @property
     def id(self) -> str:
         if self.varlen:
             seqs = ",".join(map(str, self.seqlens))
@@ -176,11 +220,22 @@ class Case:
             extras.append(f"final={self.final_dtype}")
         if self.param_dtype != "fp32":
             extras.append(f"params={self.param_dtype}")
+        if not self.has_A_log:
+            extras.append("A_log=None")
+        if not self.has_dt_bias:
+            extras.append("dt_bias=None")
         if self.pool:
             extras.append(f"pool{self.pool}" + (f"_pad{self.padding}" if self.padding else "")
                           + ("_idx=int32" if self.indices_int32 else "") + ("_idx=host" if self.indices_on_host else ""))
         if self.slice in ("smoke", "adversarial", "decode"):  # their shapes recur in other slices
             extras.insert(0, {"adversarial": "adv", "smoke": "smoke", "decode": "short"}[self.slice])
+        # The options lead the id (the option slices' cases differ from the others' by them alone).
+        if self.neg_eigval:
+            extras.insert(0, "neg")
+        if self.gate != "lower_bound":
+            extras.insert(0, self.gate)
+        if self.G > 1:
+            extras.insert(0, f"G{self.G}")
         if self.v_split:
             extras.insert(0, f"vsplit{self.v_split}")
         if self.segment_chunks >= 0:
@@ -238,7 +293,7 @@ def _long_context() -> list[Case]:
 
 def _adversarial() -> list[Case]:
     cases = []
-    for recipe in INPUT_RECIPES[1:]:
+    for recipe in (r for r in INPUT_RECIPES[1:] if r not in SOFTPLUS_RECIPES):
         for dt in STATE_DTYPES:
             cases.append(Case("adversarial", H=4, T=97, inputs=recipe, state_dtype=dt))
         cases.append(Case("adversarial", H=4, seqlens=(17, 33, 65), inputs=recipe))
@@ -389,6 +444,168 @@ def _forced_decode(base: list[Case]) -> list[Case]:
     return list(cases.values())
 
 
+def _with_forced_plans(base: list[Case]) -> list[Case]:
+    """The base cases under the automatic plan, then again under every forced plan kind of the slices above: a V
+    split (cycling through FORCED_V_SPLITS), a time split (segments cycling through FORCED_SEGMENT_CHUNKS, V
+    splits the other way), the single pass (which runs the lower-bound gate only: the softplus gate's cases get two
+    stages forced instead), the overlap (fixed lengths; leads cycling through FORCED_LEAD_CHUNKS) and the decode
+    kernel (sequences of 17 to DECODE_FORCED_MAX_TOKENS tokens; shorter ones, which the decode kernel runs already,
+    get a chunked plan instead). A case of more than HEAVY_TOKEN_HEADS token-heads takes one
+    forced kind, in turn. A forced case that reads like another runs once."""
+    cases: dict[str, Case] = {}
+    heavy = 0
+    for i, c in enumerate(base):
+        kinds = [
+            dict(v_split=FORCED_V_SPLITS[i % len(FORCED_V_SPLITS)]),
+            dict(segment_chunks=FORCED_SEGMENT_CHUNKS[i % len(FORCED_SEGMENT_CHUNKS)],
+                 v_split=FORCED_V_SPLITS[-1 - i % len(FORCED_V_SPLITS)]),
+            dict(single_pass=True) if c.gate == "lower_bound" else dict(single_pass=False, lead_chunks=-1),
+        ]
+        if not c.varlen:
+            kinds.append(dict(lead_chunks=FORCED_LEAD_CHUNKS[i % len(FORCED_LEAD_CHUNKS)]))
+        if c.longest <= 16:
+            kinds.append(dict(decode=False))
+        elif c.longest <= DECODE_FORCED_MAX_TOKENS:
+            kinds.append(dict(decode=True))
+        if c.tokens * c.H > HEAVY_TOKEN_HEADS:
+            kinds = [kinds[heavy % len(kinds)]]
+            heavy += 1
+        for forced in [c] + [dataclasses.replace(c, **kind) for kind in kinds]:
+            cases.setdefault(forced.id, forced)
+    return list(cases.values())
+
+
+def _options_base(slice_: str, options: dict, *, configs: bool = True, few: bool = False) -> list[Case]:
+    """Shapes every option slice runs (``options``: the Case fields of the option): every state configuration on a
+    ragged fixed length, a varlen batch with empty sequences and a decode length (``configs``); fixed lengths
+    short and long with H 1 to 96, varlen, batched, decode lengths and batches, in place, int32 cu_seqlens, both
+    state dtypes (``few``: six of these shapes). With GVA, a single head becomes G value heads of one key head."""
+    G = options.get("G", 1)
+
+    def case(H: int, **fields) -> Case:
+        return Case(slice_, H=H if H % G == 0 else H * G, **fields, **options)
+
+    if few:
+        return [case(4, T=97), case(4, seqlens=(17, 0, 33, 65), state_dtype="fp32"), case(32, T=1024),
+                case(4, B=4, T=256, state_dtype="fp32"), case(4, T=5),
+                case(4, seqlens=(1, 2, 3, 5, 8, 15), state_dtype="fp32")]
+    cases = []
+    if configs:
+        for io, dt in _state_configs():
+            cases.append(case(4, T=97, state_io=io, state_dtype=dt))
+            cases.append(case(4, seqlens=(17, 0, 33, 65), state_io=io, state_dtype=dt))
+            cases.append(case(4, T=5, state_io=io, state_dtype=dt))
+    for i, (h, t) in enumerate(((1, 17), (1, 4096), (4, 64), (4, 256), (4, 1024), (32, 1024), (96, 256))):
+        cases.append(case(h, T=t, state_dtype=STATE_DTYPES[i % 2]))
+    for i, seqlens in enumerate(((1300, 547, 2048, 963, 271, 3063), (1024,) * 8, (0, 16, 0, 33, 0), (20, 50, 100))):
+        cases.append(case(4 if i else 32, seqlens=seqlens, state_dtype=STATE_DTYPES[i % 2], cu_seqlens_int32=i == 3))
+    cases.append(case(4, B=4, T=256, state_dtype="fp32"))
+    cases.append(case(32, B=2, T=300))
+    cases.append(case(4, seqlens=(16, 0, 37), inplace_state=True, state_dtype="fp32"))
+    # Decode lengths (the decode kernel): one token to 16, short varlen batches, many sequences, in place.
+    for i, t in enumerate((1, 2, 3, 8, 15, 16)):
+        cases.append(case(32 if i % 2 else 4, T=t, state_dtype=STATE_DTYPES[i % 2]))
+    for i, seqlens in enumerate(((1, 2, 3, 5, 8, 15), (0, 3, 0, 16), (1,) * 4)):
+        cases.append(case(32 if i == 2 else 4, seqlens=seqlens, state_dtype=STATE_DTYPES[i % 2]))
+    cases.append(case(32, B=8, T=1, inplace_state=True, state_dtype="fp32"))
+    cases.append(case(4, B=3, T=16, state_dtype="bf16", final_dtype="fp32"))
+    return cases
+
+
+def _option_pools(slice_: str, options: dict, H: int = 4) -> list[Case]:
+    """Pooled states under the option: padding rows, in place, mixed dtypes, fixed, varlen and decode lengths
+    (their plans are forced by _with_forced_plans)."""
+    return [
+        Case(slice_, H=H, B=3, T=97, state_dtype="bf16", pool=5, padding=1, **options),
+        Case(slice_, H=H, seqlens=(17, 0, 65, 5), state_dtype="fp32", inplace_state=True, pool=6, padding=1,
+             indices_int32=True, **options),
+        Case(slice_, H=H, B=8, T=1, state_dtype="fp32", inplace_state=True, pool=11, padding=2, **options),
+        Case(slice_, H=H, seqlens=(3, 0, 16, 1), state_dtype="bf16", final_dtype="fp32", pool=4, **options),
+    ]
+
+
+def _gate_softplus() -> list[Case]:
+    softplus = dict(gate="softplus")
+    cases = _options_base("gate_softplus", softplus)
+    cases += [Case("gate_softplus", H=1, T=16384, **softplus), Case("gate_softplus", H=96, T=2048, **softplus)]
+    # g + dt_bias across ±50 (A_log up to ln 16): decays from none to several hundred per token, short and long.
+    for recipe in SOFTPLUS_RECIPES[:3]:
+        for dt in STATE_DTYPES:
+            cases.append(Case("gate_softplus", H=4, T=97, inputs=recipe, state_dtype=dt, **softplus))
+        cases.append(Case("gate_softplus", H=4, seqlens=(17, 33, 65), inputs=recipe, **softplus))
+        cases.append(Case("gate_softplus", H=32, T=1024, inputs=recipe, state_dtype="fp32", **softplus))
+        cases.append(Case("gate_softplus", H=4, T=8, inputs=recipe, **softplus))
+        cases.append(Case("gate_softplus", H=4, seqlens=(1, 2, 3, 5, 8, 15), inputs=recipe, state_dtype="fp32",
+                          **softplus))
+    # A log decay of -960 per token: exp underflows to 0, the state is erased at every token (test_matrix.py checks
+    # that the result is finite and equals the result from a zero initial state).
+    erased = dict(inputs="decay=-960", **softplus)
+    for dt in STATE_DTYPES:
+        cases.append(Case("gate_softplus", H=4, T=97, state_dtype=dt, **erased))
+        cases.append(Case("gate_softplus", H=4, T=5, state_dtype=dt, **erased))
+    cases.append(Case("gate_softplus", H=4, seqlens=(17, 0, 33, 65), state_dtype="fp32", **erased))
+    cases.append(Case("gate_softplus", H=32, T=1024, **erased))
+    cases.append(Case("gate_softplus", H=4, seqlens=(1, 16, 3), inplace_state=True, **erased))
+    # A_log or dt_bias None, gate parameters in bf16 / fp16, mixed state dtypes, a lower_bound given (ignored).
+    for params in (dict(has_A_log=False), dict(has_dt_bias=False), dict(has_A_log=False, has_dt_bias=False)):
+        cases.append(Case("gate_softplus", H=4, T=97, **params, **softplus))
+        cases.append(Case("gate_softplus", H=4, seqlens=(3, 0, 16, 1), state_dtype="fp32", **params, **softplus))
+    for params in ("bf16", "fp16"):
+        cases.append(Case("gate_softplus", H=4, T=97, param_dtype=params, **softplus))
+        cases.append(Case("gate_softplus", H=4, T=5, param_dtype=params, state_dtype="fp32", **softplus))
+    for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
+        cases.append(Case("gate_softplus", H=4, T=97, state_dtype=init, final_dtype=final, **softplus))
+    cases.append(Case("gate_softplus", H=4, T=97, lower_bound=-1.0, **softplus))
+    cases += _option_pools("gate_softplus", softplus)
+    return _with_forced_plans(cases)
+
+
+def _neg_eigval() -> list[Case]:
+    cases = []
+    for gate in GATES:  # every shape under the lower-bound gate, fewer under the softplus gate
+        options = dict(gate=gate, neg_eigval=True)
+        cases += _options_base("neg_eigval", options, few=gate == "softplus")
+        # β ≈ 2 (reflections: eigenvalue -1), β of either extreme, near-collinear keys.
+        for recipe in ("beta=+10", "beta=±10", "collinear_k"):
+            for dt in STATE_DTYPES:
+                cases.append(Case("neg_eigval", H=4, T=97, inputs=recipe, state_dtype=dt, **options))
+            cases.append(Case("neg_eigval", H=4, seqlens=(17, 33, 65), inputs=recipe, **options))
+            cases.append(Case("neg_eigval", H=4, T=1024, inputs=recipe, state_dtype="fp32", **options))
+            cases.append(Case("neg_eigval", H=4, T=8, inputs=recipe, **options))
+        cases += _option_pools("neg_eigval", options)
+    # The softplus gate's extremes with reflections: no decay (the state keeps every reflection) and ±50.
+    for recipe in ("g=-50", "g=U±50"):
+        cases.append(Case("neg_eigval", H=4, T=1024, inputs=recipe, gate="softplus", neg_eigval=True))
+        cases.append(Case("neg_eigval", H=4, seqlens=(1, 2, 3, 5, 8, 15), inputs=recipe, gate="softplus",
+                          neg_eigval=True, state_dtype="fp32"))
+    for params in (dict(has_A_log=False), dict(has_dt_bias=False)):
+        cases.append(Case("neg_eigval", H=4, T=97, neg_eigval=True, **params))
+    return _with_forced_plans(cases)
+
+
+def _gva() -> list[Case]:
+    cases = []
+    for G in (2, 4):
+        for gate in GATES:  # every shape under G = 2 with the lower-bound gate and G = 4 with softplus, fewer else
+            options = dict(G=G, gate=gate)
+            full = (G, gate) in ((2, "lower_bound"), (4, "softplus"))
+            cases += _options_base("gva", options, configs=G == 2, few=not full)
+            cases += _option_pools("gva", options, H=2 * G)
+        # Every state configuration under the softplus gate with negative eigenvalues once per G.
+        cases += [Case("gva", H=8, T=97, state_io=io, state_dtype=dt, G=G, gate="softplus", neg_eigval=True)
+                  for io, dt in _state_configs()]
+        cases.append(Case("gva", H=8, seqlens=(17, 0, 33, 65), G=G, gate="softplus", neg_eigval=True))
+        cases.append(Case("gva", H=32, T=1024, G=G, gate="softplus", neg_eigval=True, inputs="g=U±50"))
+        cases.append(Case("gva", H=8, T=5, G=G, neg_eigval=True, state_dtype="fp32"))
+        cases.append(Case("gva", H=8, T=97, G=G, inputs="collinear_k"))
+        cases.append(Case("gva", H=8, T=97, G=G, gate="softplus", has_A_log=False, has_dt_bias=False))
+    # 16 key heads under 32 value heads (Kimi Linear's shape, G = 2), 48 under 96.
+    cases.append(Case("gva", H=32, seqlens=(1300, 547, 2048, 963, 271, 3063), G=2, gate="softplus",
+                      state_dtype="fp32"))
+    cases.append(Case("gva", H=96, T=97, G=2, gate="softplus"))
+    return _with_forced_plans(cases)
+
+
 def all_cases() -> list[Case]:
     cases = [Case("smoke", H=4, T=97, seed=0)]
     base = _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
@@ -398,6 +615,7 @@ def all_cases() -> list[Case]:
     cases += _forced_tsplit(base + adversarial) + _forced_single_pass(base + adversarial)
     cases += _forced_overlap(base + adversarial) + _pool()
     cases += _decode() + _forced_decode(base + adversarial)
+    cases += _gate_softplus() + _neg_eigval() + _gva()
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases
@@ -427,9 +645,12 @@ def make_inputs(case: Case, device) -> dict:
     """Inputs of ``case`` on ``device`` (generated there, from the case's seed), with NaN-poisoned outputs.
 
     Returns a dict with the ``flash_kda.fwd`` arguments: q, k, v, g, beta, scale, out, A_log, dt_bias,
-    lower_bound, initial_state, final_state, cu_seqlens. Distributions follow fla's KDA tests: bf16 randn
-    q/k/v/g/beta (beta as logits), fp32 randn A_log [H] and dt_bias [H, K] (cast to the case's param dtype), an
-    fp32 randn initial state cast to the state dtype. ``out`` and ``final_state`` are NaN-filled so unwritten elements fail loudly.
+    lower_bound, initial_state, final_state, cu_seqlens, state_indices, gate, allow_neg_eigval (``fwd_args`` and
+    ``twin_args`` pick the keywords of fwd and of the twin and references). Distributions follow fla's KDA tests:
+    bf16 randn q/k [B, T, H // G, K], v/g [B, T, H, ·], beta [B, T, H] (as logits), fp32 randn A_log [H] (mapped
+    onto SOFTPLUS_A_LOG_RANGE for the softplus gate) and dt_bias [H, K] (cast to the case's param dtype), an fp32
+    randn initial state cast to the state dtype. ``out`` and ``final_state`` are NaN-filled so unwritten elements
+    fail loudly.
     """
     import torch  # noqa: PLC0415 -- the data above is importable without torch
 
@@ -441,19 +662,31 @@ def make_inputs(case: Case, device) -> dict:
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
-    q, k, v, g = (randn(B, T, H, D, dtype=bf16) for _ in range(4))
+    Hk = case.key_heads  # q and k (H with G = 1); the draws of a case without GVA are those of one with it
+    q, k = (randn(B, T, Hk, D, dtype=bf16) for _ in range(2))
+    v, g = (randn(B, T, H, D, dtype=bf16) for _ in range(2))
     beta = randn(B, T, H, dtype=bf16)
     param_dtype = getattr(torch, DTYPES[case.param_dtype])
-    A_log = randn(H, dtype=param_dtype)
+    A_log = randn(H)
+    if case.gate == "softplus":  # N(0, 1) onto SOFTPLUS_A_LOG_RANGE (fla's layer draws exp(A_log) in [1, 16])
+        lo, hi = SOFTPLUS_A_LOG_RANGE
+        A_log = lo + (hi - lo) * torch.sigmoid(1.6 * A_log)
+    A_log = A_log.to(param_dtype)
     dt_bias = randn(H, D, dtype=param_dtype)
     recipe = case.inputs
-    if recipe.startswith("g="):
+    if recipe == "g=U±50":  # N(0, 1) onto a uniform in ±46 (erf(x/√2) is uniform in (-1, 1))
+        g = (46 * torch.erf(g.float() * 0.5**0.5)).to(bf16)
+    elif recipe == "decay=-960":
+        A_log.fill_(math.log(16.0))
+        dt_bias.zero_()
+        g.fill_(60.0)
+    elif recipe.startswith("g="):
         g.fill_(float(recipe[2:]))
     elif recipe.startswith("dt_bias="):
         dt_bias.fill_(float(recipe[8:]))
     elif recipe == "collinear_k":
         # One direction per head plus noise below bf16's resolution: many keys round to the same vector.
-        k = (randn(1, 1, H, D) + 1e-3 * randn(B, T, H, D)).to(bf16)
+        k = (randn(1, 1, Hk, D) + 1e-3 * randn(B, T, Hk, D)).to(bf16)
     elif recipe == "beta=±10":
         beta = (10 * torch.sign(randn(B, T, H))).to(bf16)
     elif recipe.startswith("beta="):
@@ -489,26 +722,53 @@ def make_inputs(case: Case, device) -> dict:
         for n in case.seqlens:
             cu.append(cu[-1] + n)
         cu_seqlens = torch.tensor(cu, dtype=torch.int32 if case.cu_seqlens_int32 else torch.int64, device=device)
+    # The softplus gate ignores lower_bound: None, unless a case gives one (a number is accepted and ignored).
+    lower_bound = None if case.gate == "softplus" and case.lower_bound == -5.0 else case.lower_bound
     return dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=D**-0.5, out=torch.full_like(v, float("nan")), A_log=A_log,
-        dt_bias=dt_bias, lower_bound=case.lower_bound, initial_state=initial_state, final_state=final_state,
-        cu_seqlens=cu_seqlens, state_indices=state_indices,
+        q=q, k=k, v=v, g=g, beta=beta, scale=D**-0.5, out=torch.full_like(v, float("nan")),
+        A_log=A_log if case.has_A_log else None, dt_bias=dt_bias if case.has_dt_bias else None,
+        lower_bound=lower_bound, initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
+        state_indices=state_indices, gate=case.gate, allow_neg_eigval=case.neg_eigval,
     )  # fmt: skip
 
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "state_indices")
 FWD_NAMES = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound", "initial_state",
-             "final_state", "cu_seqlens", "state_indices")  # flash_kda.fwd's arguments (state_indices by keyword)
+             "final_state", "cu_seqlens", "state_indices")  # flash_kda.fwd's arguments (state_indices by keyword;
+# gate and allow_neg_eigval, keyword-only, are added by fwd_args where a case sets them)
+
+
+def fwd_args(inputs: dict) -> dict:
+    """The keyword arguments of ``flash_kda.fwd`` for ``inputs``: FWD_NAMES, and ``gate`` / ``allow_neg_eigval``
+    where they are not the defaults."""
+    args = {name: inputs.get(name) for name in FWD_NAMES}
+    if inputs.get("gate", "lower_bound") != "lower_bound":
+        args["gate"] = inputs["gate"]
+    if inputs.get("allow_neg_eigval", False):
+        args["allow_neg_eigval"] = True
+    return args
+
+
+def plan_args(inputs: dict) -> dict:
+    """The keyword arguments of ``flash_kda.plan`` beside (v, cu_seqlens) for ``inputs``: ``gate`` where it is not
+    the default (the plan depends on it: the single pass runs the lower-bound gate only)."""
+    gate = inputs.get("gate", "lower_bound")
+    return {} if gate == "lower_bound" else {"gate": gate}
 
 
 def twin_args(inputs: dict) -> dict:
     """The keyword arguments of numerics.twin_forward / cpu_forward / reference_* for ``inputs`` (with a pool:
-    ``final_state`` is the pool as ``inputs`` hold it, the base of the pool the references return)."""
+    ``final_state`` is the pool as ``inputs`` hold it, the base of the pool the references return; ``gate_kind``
+    and ``beta_scale`` where they are not the defaults)."""
     keys = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
     args = {name: inputs[name] for name in keys}
     if inputs.get("state_indices") is not None:
         args["state_indices"] = inputs["state_indices"]
         args["final_state"] = inputs["final_state"]
+    if inputs.get("gate", "lower_bound") != "lower_bound":
+        args["gate_kind"] = inputs["gate"]
+    if inputs.get("allow_neg_eigval", False):
+        args["beta_scale"] = 2.0
     return args
 
 

@@ -1,9 +1,10 @@
 """flash_kda under torch.compile: ``torch.ops.flash_kda.fwd`` and its fake implementation.
 
 CPU tests (CI): a module that calls ``flash_kda.fwd`` compiles with ``fullgraph=True`` (no graph break) and
-gives bitwise the eager results on the CPU path; the operator called directly equals ``fwd``; fake tensors on
-a CUDA device (no GPU needed to trace) pass through the fake implementation, which raises the eager
-validation errors. GPU test: the same module with CUDA tensors, compiled, equals eager bit for bit.
+gives bitwise the eager results on the CPU path, with the model options too (gate, allow_neg_eigval, grouped
+value heads, absent A_log / dt_bias); the operator called directly equals ``fwd``; fake tensors on a CUDA device
+(no GPU needed to trace) pass through the fake implementation, which raises the eager validation errors. GPU
+test: the same module with CUDA tensors, compiled, equals eager bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from flash_kda import ops  # noqa: F401 -- registers torch.ops.flash_kda.fwd
 D = 128
 
 
-def make_inputs(device: str, *, B=1, T=40, H=2, seqlens=None, state=torch.float32, seed=0) -> dict:
+def make_inputs(device: str, *, B=1, T=40, H=2, seqlens=None, state=torch.float32, seed=0, G=1) -> dict:
+    """Inputs of fwd on ``device``; G > 1: grouped value heads (q, k on H heads, the rest on G·H)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, dtype=torch.bfloat16):
@@ -31,10 +33,11 @@ def make_inputs(device: str, *, B=1, T=40, H=2, seqlens=None, state=torch.float3
     if seqlens is not None:
         B, T = 1, sum(seqlens)
         cu = torch.tensor([0] + torch.tensor(seqlens).cumsum(0).tolist(), dtype=torch.int64, device=device)
+    HV = G * H
     return dict(
-        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, H, D), g=randn(B, T, H, D), beta=randn(B, T, H),
-        A_log=randn(H, dtype=torch.float32), dt_bias=randn(H, D, dtype=torch.float32),
-        initial_state=None if state is None else randn(N, H, D, D, dtype=state), cu_seqlens=cu,
+        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, HV, D), g=randn(B, T, HV, D), beta=randn(B, T, HV),
+        A_log=randn(HV, dtype=torch.float32), dt_bias=randn(HV, D, dtype=torch.float32),
+        initial_state=None if state is None else randn(N, HV, D, D, dtype=state), cu_seqlens=cu,
     )  # fmt: skip
 
 
@@ -46,6 +49,17 @@ class KdaLayer(torch.nn.Module):
         final = None if initial_state is None else torch.empty_like(initial_state)
         flash_kda.fwd(q, k, v, g, beta, D**-0.5, out, A_log, dt_bias, -5.0, initial_state=initial_state,
                       final_state=final, cu_seqlens=cu_seqlens)
+        return out * 2, final
+
+
+class KdaOptionsLayer(torch.nn.Module):
+    """A layer of a model with the options: the softplus gate without dt_bias, negative eigenvalues."""
+
+    def forward(self, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
+        out = torch.empty_like(v)
+        final = None if initial_state is None else torch.empty_like(initial_state)
+        flash_kda.fwd(q, k, v, g, beta, D**-0.5, out, A_log, None, None, initial_state=initial_state,
+                      final_state=final, cu_seqlens=cu_seqlens, gate="softplus", allow_neg_eigval=True)
         return out * 2, final
 
 
@@ -73,6 +87,17 @@ def test_compile_fullgraph_equals_eager_cpu(shape):
     _assert_same(compiled, eager)
 
 
+@pytest.mark.parametrize("shape", [dict(G=2), dict(G=3, seqlens=(11, 0, 20), state=torch.bfloat16)],
+                         ids=["gva_fixed", "gva_varlen"])
+def test_compile_fullgraph_with_options_equals_eager_cpu(shape):
+    torch._dynamo.reset()
+    x = make_inputs("cpu", **shape)
+    layer = KdaOptionsLayer()
+    eager = _run(layer, x)
+    compiled = _run(torch.compile(layer, fullgraph=True), x)
+    _assert_same(compiled, eager)
+
+
 def test_operator_equals_fwd_cpu():
     x = make_inputs("cpu")
     out_a, out_b = torch.empty_like(x["v"]), torch.empty_like(x["v"])
@@ -80,7 +105,20 @@ def test_operator_equals_fwd_cpu():
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
     flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_a)
     torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_b, None, None,
-                            None)
+                            None, "lower_bound", False)
+    assert torch.equal(out_a, out_b) and torch.equal(fin_a, fin_b)
+
+
+def test_operator_equals_fwd_cpu_with_options():
+    """The operator's last two arguments, gate and allow_neg_eigval, with grouped value heads and no A_log."""
+    x = make_inputs("cpu", G=2)
+    out_a, out_b = torch.empty_like(x["v"]), torch.empty_like(x["v"])
+    fin_a, fin_b = torch.empty_like(x["initial_state"]), torch.empty_like(x["initial_state"])
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
+    flash_kda.fwd(*args, out_a, None, x["dt_bias"], None, x["initial_state"], fin_a, gate="softplus",
+                  allow_neg_eigval=True)
+    torch.ops.flash_kda.fwd(*args, out_b, None, x["dt_bias"], None, x["initial_state"], fin_b, None, None, None,
+                            "softplus", True)
     assert torch.equal(out_a, out_b) and torch.equal(fin_a, fin_b)
 
 
@@ -93,7 +131,8 @@ def test_operator_equals_fwd_cpu_with_pools():
     out_a, out_b = torch.empty_like(x["v"]), torch.empty_like(x["v"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
     flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, pool_a, pool_a, state_indices=indices)
-    torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, pool_b, pool_b, None, None, indices)
+    torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, pool_b, pool_b, None, None, indices,
+                            "lower_bound", False)
     assert torch.equal(out_a, out_b) and torch.equal(pool_a, pool_b)
 
 
@@ -104,7 +143,8 @@ def _fake_cuda_call(**changes):
                     beta=torch.empty(1, 32, 4, dtype=torch.bfloat16, device="cuda"), scale=0.1,
                     out=torch.empty_like(q), A_log=torch.empty(4, device="cuda"),
                     dt_bias=torch.empty(4, D, device="cuda"), lower_bound=-5.0, initial_state=None,
-                    final_state=None, cu_seqlens=None, workspace=None, state_indices=None)  # fmt: skip
+                    final_state=None, cu_seqlens=None, workspace=None, state_indices=None, gate="lower_bound",
+                    allow_neg_eigval=False)  # fmt: skip
         args.update({name: make(q) if callable(make) else make for name, make in changes.items()})
         result = torch.ops.flash_kda.fwd(**args)
         return result, args
@@ -120,7 +160,25 @@ def test_fake_cuda_tensors_trace_without_a_gpu():
     schema = torch.ops.flash_kda.fwd.default._schema
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"out", "final_state", "workspace"}, written
-    assert len(schema.arguments) == 15 and schema.arguments[-1].name == "state_indices"
+    assert len(schema.arguments) == 17 and [a.name for a in schema.arguments[-3:]] == [
+        "state_indices", "gate", "allow_neg_eigval"]
+    optional = {a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)}
+    assert {"A_log", "dt_bias", "lower_bound", "initial_state", "final_state"} <= optional
+    assert all(not a.has_default_value() for a in schema.arguments)  # (ops.py: no defaults)
+
+
+def test_fake_cuda_grouped_value_heads_and_options_trace():
+    """Grouped value heads (4 key heads, 8 value heads) with the softplus gate, no A_log / dt_bias / lower_bound
+    and negative eigenvalues trace; v with 6 value heads is refused at trace time with fwd's message."""
+    value = lambda heads: lambda q: torch.empty(1, 32, heads, D, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    grouped = dict(v=value(8), g=value(8), out=value(8),
+                   beta=lambda q: torch.empty(1, 32, 8, dtype=torch.bfloat16, device="cuda"), A_log=None,
+                   dt_bias=None, lower_bound=None, gate="softplus", allow_neg_eigval=True,
+                   final_state=lambda q: torch.empty(1, 8, D, D, device="cuda"))  # fmt: skip
+    result, _ = _fake_cuda_call(**grouped)
+    assert result is None
+    with pytest.raises(ValueError, match=r"v's heads HV must be a multiple G >= 1 of q's heads H"):
+        _fake_cuda_call(**{**grouped, "v": value(6)})
 
 
 def test_fake_cuda_pools_trace_and_bad_indices_are_refused():
@@ -144,8 +202,10 @@ def test_fake_cuda_pools_trace_and_bad_indices_are_refused():
         (dict(lower_bound=-7.0), ValueError, r"lower_bound must be a finite number in \[-5.0, 0.0\]"),
         (dict(final_state=lambda q: torch.empty(2, 4, D, D, device="cuda")), ValueError,
          r"final_state must have shape \[N, H, V, K\] = \[1, 4, 128, 128\]"),
+        (dict(gate="sigmoid"), ValueError, r"gate must be one of \['lower_bound', 'softplus'\], got gate='sigmoid'"),
+        (dict(lower_bound=None), ValueError, r"lower_bound must be a finite number in \[-5.0, 0.0\], got lower_bound=None"),
     ],
-    ids=["dtype", "shape", "lower_bound", "state_shape"],
+    ids=["dtype", "shape", "lower_bound", "state_shape", "gate", "lower_bound_none"],
 )  # fmt: skip
 def test_fake_implementation_validates(changes, exc, pattern):
     with pytest.raises(exc, match=pattern):
@@ -154,12 +214,15 @@ def test_fake_implementation_validates(changes, exc, pattern):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "shape", [dict(T=300, H=4), dict(seqlens=(100, 0, 37), state=torch.bfloat16)], ids=["fixed", "varlen_bf16"]
-)
-def test_compile_fullgraph_equals_eager_cuda(shape):
+    "shape, layer",
+    [(dict(T=300, H=4), KdaLayer), (dict(seqlens=(100, 0, 37), state=torch.bfloat16), KdaLayer),
+     (dict(T=300, H=2, G=2), KdaOptionsLayer)],
+    ids=["fixed", "varlen_bf16", "gva_softplus_neg_eigval"],
+)  # fmt: skip
+def test_compile_fullgraph_equals_eager_cuda(shape, layer):
     torch._dynamo.reset()
     x = make_inputs("cuda", **shape)
-    layer = KdaLayer()
+    layer = layer()
     eager = _run(layer, x)
     compiled = _run(torch.compile(layer, fullgraph=True), x)
     torch.cuda.synchronize()

@@ -272,3 +272,101 @@ def test_decode_recurrence_in_fp32_matches_float64(case: matrix.Case) -> None:
     floor = compare.compare(ref_out.to(torch.bfloat16), ref_out).rel_l2
     compare.compare(out, ref_out).check(rel_l2=FLOOR_FACTOR * floor, name=f"{case.id} out")
     compare.compare(state, ref_state).check(rel_l2=FP32_STATE_REL_L2, name=f"{case.id} state")
+
+
+# --- the model options: the softplus gate, negative eigenvalues, grouped value heads, absent A_log / dt_bias -------
+
+
+def option_inputs(*, H=2, G=1, B=1, T=97, seqlens=None, state=torch.float32, pool=0, seed=0, **options) -> dict:
+    """CPU inputs of fwd with the model options: q, k on H key heads; v, g, beta, A_log, dt_bias and the states on
+    HV = G·H value heads (fla's distributions, as matrix.make_inputs), NaN-poisoned outputs; ``options`` holds
+    fwd's gate / allow_neg_eigval / lower_bound and A_log=None / dt_bias=None."""
+    gen = torch.Generator().manual_seed(seed)
+    bf16 = torch.bfloat16
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    cu = None
+    if seqlens is not None:
+        B, T = 1, sum(seqlens)
+        cu = torch.tensor([0, *torch.tensor(seqlens, dtype=torch.int64).cumsum(0).tolist()])
+    N = B if seqlens is None else len(seqlens)
+    HV, D = G * H, 128
+    rows = pool or N
+    x = dict(q=randn(B, T, H, D, dtype=bf16), k=randn(B, T, H, D, dtype=bf16), v=randn(B, T, HV, D, dtype=bf16),
+             g=randn(B, T, HV, D, dtype=bf16), beta=randn(B, T, HV, dtype=bf16), scale=D**-0.5,
+             out=torch.full((B, T, HV, D), float("nan"), dtype=bf16), A_log=randn(HV), dt_bias=randn(HV, D),
+             lower_bound=-5.0, initial_state=None if state is None else randn(rows, HV, D, D, dtype=state),
+             final_state=None if state is None else torch.full((rows, HV, D, D), float("nan"), dtype=state),
+             cu_seqlens=cu)  # fmt: skip
+    if pool:
+        x["state_indices"] = torch.randperm(pool, generator=gen)[:N]
+        x["state_indices"][0] = -1  # a padding row
+    x.update(options)
+    return x
+
+
+OPTION_CASES = {
+    "softplus": dict(gate="softplus", lower_bound=None),
+    "softplus_lower_bound_ignored": dict(gate="softplus", lower_bound=-1.0),
+    "neg_eigval": dict(allow_neg_eigval=True),
+    "softplus_neg_eigval": dict(gate="softplus", lower_bound=None, allow_neg_eigval=True),
+    "gva_G2": dict(G=2),
+    "gva_G4_H1_softplus": dict(G=4, H=1, gate="softplus"),
+    "gva_G2_varlen_softplus_neg_eigval": dict(G=2, seqlens=(17, 0, 40, 5), gate="softplus", allow_neg_eigval=True,
+                                              state=torch.bfloat16),
+    "gva_G3_batched_neg_eigval_no_state": dict(G=3, B=2, T=33, allow_neg_eigval=True, state=None),
+    "no_A_log": dict(A_log=None),
+    "no_dt_bias_softplus": dict(dt_bias=None, gate="softplus"),
+    "no_gate_parameters_gva": dict(A_log=None, dt_bias=None, G=2),
+    "gva_T0": dict(G=2, T=0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(OPTION_CASES))
+def test_cpu_path_with_options_matches_token_loop(name: str) -> None:
+    """Each option (and their combinations) on the CPU path against the float64 token loop given the same options:
+    out within the bf16 rounding floor, the state as the fp32 / bf16 bounds above."""
+    x = option_inputs(**OPTION_CASES[name])
+    before = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+              if x[n] is not None}
+    flash_kda.fwd(**x)
+    for n, saved in before.items():
+        assert torch.equal(x[n], saved), f"input {n} modified"
+    gate = x.get("gate", "lower_bound")
+    beta_scale = 2.0 if x.get("allow_neg_eigval") else 1.0
+    names = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
+    ref_out, ref_state = reference.reference_loop(**{n: x[n] for n in names}, gate_kind=gate, beta_scale=beta_scale)
+    assert x["out"].shape == ref_out.shape
+    if ref_out.numel():
+        floor = compare.compare(ref_out.to(torch.bfloat16), ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
+        compare.compare(x["out"], ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"]).check(
+            rel_l2=FLOOR_FACTOR * floor.rel_l2, window_rel_l2=FLOOR_FACTOR * floor.window_rel_l2, name=f"{name} out")
+    if x["final_state"] is not None:
+        state = compare.compare(x["final_state"], ref_state)
+        if x["final_state"].dtype == torch.float32:
+            state.check(rel_l2=FP32_STATE_REL_L2, name=f"{name} fp32 final_state")
+        else:
+            state_floor = compare.compare(ref_state.to(torch.bfloat16), ref_state).rel_l2
+            state.check(rel_l2=FLOOR_FACTOR * state_floor, name=f"{name} bf16 final_state")
+
+
+@pytest.mark.parametrize("options", [dict(gate="softplus", allow_neg_eigval=True), dict()], ids=["softplus_neg", "plain"])
+def test_grouped_value_heads_with_pools_match_pooled_float64(options) -> None:
+    """Grouped value heads with pooled states (a padding row, in place): the named slots against the pooled
+    float64 references with the same options; the other slots keep their bits."""
+    x = option_inputs(G=2, B=3, T=20, pool=5, **options)
+    x["final_state"] = x["initial_state"]
+    initial = x["initial_state"].clone()
+    flash_kda.fwd(**x)
+    names = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "cu_seqlens")
+    ref_out, ref_pool = reference.reference_chunked(
+        **{n: x[n] for n in names}, initial_state=initial, state_indices=x["state_indices"],
+        gate_kind=x.get("gate", "lower_bound"), beta_scale=2.0 if x.get("allow_neg_eigval") else 1.0)
+    floor = compare.compare(ref_out.to(torch.bfloat16), ref_out).rel_l2
+    compare.compare(x["out"], ref_out).check(rel_l2=FLOOR_FACTOR * floor, name="out")
+    compare.compare(x["final_state"], ref_pool).check(rel_l2=FP32_STATE_REL_L2, name="final pool")
+    untouched = torch.ones(5, dtype=torch.bool)
+    untouched[x["state_indices"][x["state_indices"] >= 0]] = False
+    assert torch.equal(x["final_state"][untouched], initial[untouched])

@@ -14,6 +14,9 @@ switch, read at every call). A call the backend takes must
 - and stay within the correctness matrix's float64 bounds (test_matrix.py: the decode slice's for rows of at most
   16 tokens, the general ones otherwise).
 
+The model options run the same checks: the softplus gate (``lower_bound=None``), negative eigenvalues and grouped
+value heads (value heads G·H over H key heads), in pools and in rows.
+
 A call the backend refuses runs fla's kernel (no call reaches flash_kda.fwd). A fresh process shows that fla's
 behaviour is unchanged until ``register()`` is called.
 """
@@ -46,7 +49,8 @@ FLAGS = dict(state_v_first=True, use_qk_l2norm_in_kernel=True, use_gate_in_kerne
 # bf16 once: each is within about 4.5e-3 of float64 here (the decode slice's bound for ours; fla's token loop keeps
 # its state in fp32 registers the same way), so by the triangle inequality they differ by at most about 9e-3.
 AGREE_REL_L2 = 1e-2
-# Against float64, the bounds of test_matrix.py: rows of at most 16 tokens (the decode slice), others.
+# Against float64, the bounds of test_matrix.py: rows of at most 16 tokens (the decode slice) and the model options
+# (the option slices: the same numbers), others.
 DECODE_OUT_REL_L2, DECODE_STATE_REL_L2 = 4.5e-3, {torch.bfloat16: 3.5e-3, torch.float32: 3.0e-3}
 OUT_REL_L2, STATE_REL_L2 = 1e-2, 7.5e-3
 
@@ -90,7 +94,17 @@ def fla_own(monkeypatch):
     return run
 
 
-def _inputs(*, B=1, T=1, seqlens=None, seed=0, cu_dtype=torch.int64) -> dict:
+# The model options (fla's arguments): the softplus gate is lower_bound=None.
+OPTIONS = {
+    "lower_bound": dict(),
+    "softplus": dict(lower_bound=None),
+    "softplus_neg_eigval": dict(lower_bound=None, allow_neg_eigval=True),
+    "lower_bound_neg_eigval": dict(allow_neg_eigval=True),
+}
+
+
+def _inputs(*, B=1, T=1, seqlens=None, seed=0, cu_dtype=torch.int64, G=1, options="lower_bound") -> dict:
+    """Inputs on H key heads and G·H value heads, with fla's options (OPTIONS) in x["options"]."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape, dtype=torch.bfloat16):
@@ -100,10 +114,12 @@ def _inputs(*, B=1, T=1, seqlens=None, seed=0, cu_dtype=torch.int64) -> dict:
     if seqlens is not None:
         B, T, N = 1, sum(seqlens), len(seqlens)
         cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=cu_dtype, device="cuda")
+    HV = G * H
     return dict(
-        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, H, D), g=randn(B, T, H, D), beta=randn(B, T, H),
-        A_log=randn(H, dtype=torch.float32), dt_bias=randn(H * D, dtype=torch.float32),  # fla's flat layout
-        cu_seqlens=cu, N=N, gen=gen, longest=T if seqlens is None else max(seqlens),
+        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, HV, D), g=randn(B, T, HV, D), beta=randn(B, T, HV),
+        A_log=randn(HV, dtype=torch.float32), dt_bias=randn(HV * D, dtype=torch.float32),  # fla's flat layout
+        cu_seqlens=cu, N=N, HV=HV, gen=gen, longest=T if seqlens is None else max(seqlens),
+        options=OPTIONS[options],
     )  # fmt: skip
 
 
@@ -111,28 +127,39 @@ def _call(x: dict, **kwargs):
     """fla's fused_recurrent_kda_fwd on x as a serving engine calls it (inference mode, keywords)."""
     with torch.inference_mode():
         return _fla_fwd()(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"],
-                          dt_bias=x["dt_bias"], scale=SCALE, cu_seqlens=x["cu_seqlens"], **{**FLAGS, **kwargs})
+                          dt_bias=x["dt_bias"], scale=SCALE, cu_seqlens=x["cu_seqlens"],
+                          **{**FLAGS, **x["options"], **kwargs})
+
+
+def _gate(x: dict) -> tuple[float | None, str, bool]:
+    """(lower_bound, gate, allow_neg_eigval) of flash_kda.fwd for x's options."""
+    lower_bound = x["options"].get("lower_bound", LOWER_BOUND)
+    return lower_bound, "softplus" if lower_bound is None else "lower_bound", x["options"].get("allow_neg_eigval",
+                                                                                             False)
 
 
 def _direct(x: dict, initial_state, final_state, state_indices=None) -> torch.Tensor:
     out = torch.empty_like(x["v"])
-    direct_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, out, x["A_log"], x["dt_bias"].view(H, D),
-               LOWER_BOUND, initial_state=initial_state, final_state=final_state, cu_seqlens=x["cu_seqlens"],
-               state_indices=state_indices)
+    lower_bound, gate, neg = _gate(x)
+    direct_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, out, x["A_log"], x["dt_bias"].view(x["HV"], D),
+               lower_bound, initial_state=initial_state, final_state=final_state, cu_seqlens=x["cu_seqlens"],
+               state_indices=state_indices, gate=gate, allow_neg_eigval=neg)
     return out
 
 
 def _reference(x: dict, initial_state, state_indices=None):
+    lower_bound, gate, neg = _gate(x)
     return reference.reference_loop(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, x["A_log"], x["dt_bias"],
-                                    LOWER_BOUND, initial_state, x["cu_seqlens"], state_indices=state_indices)
+                                    lower_bound, initial_state, x["cu_seqlens"], state_indices=state_indices,
+                                    gate_kind=gate, beta_scale=2.0 if neg else 1.0)
 
 
 def _check(x: dict, ours: tuple, fla: tuple, ref: tuple, state_dtype, rows=None) -> None:
     """Agreement with fla and the float64 bounds; ``rows`` selects the final states compared (a pool's named
     slots). Collects every failure before raising."""
-    decode = x["longest"] <= 16
-    out_bound = DECODE_OUT_REL_L2 if decode else OUT_REL_L2
-    state_bound = DECODE_STATE_REL_L2[state_dtype] if decode else STATE_REL_L2
+    tight = x["longest"] <= 16 or x["options"] or x["HV"] != H  # the decode slice's or the option slices' bounds
+    out_bound = DECODE_OUT_REL_L2 if tight else OUT_REL_L2
+    state_bound = DECODE_STATE_REL_L2[state_dtype] if tight else STATE_REL_L2
     pick = (lambda s: s) if rows is None else (lambda s: s[rows])
     reports = {
         "out vs fla": (compare.compare(ours[0], fla[0]), AGREE_REL_L2),
@@ -152,6 +179,11 @@ def _check(x: dict, ours: tuple, fla: tuple, ref: tuple, state_dtype, rows=None)
 POOL_CASES = {
     "fixed_N16": dict(B=16, T=1),
     "varlen_N13_int32_cu": dict(seqlens=(1,) * 13, cu_dtype=torch.int32),  # (a serving engine's query_start_loc)
+    # The model options (a serving engine's Kimi Linear: softplus gate, value heads twice the key heads).
+    "fixed_N16_softplus": dict(B=16, T=1, options="softplus"),
+    "varlen_N13_gva2_softplus": dict(seqlens=(1,) * 13, G=2, options="softplus"),
+    "fixed_N9_gva4_softplus_neg_eigval": dict(B=9, T=1, G=4, options="softplus_neg_eigval"),
+    "fixed_N16_lower_bound_neg_eigval": dict(B=16, T=1, options="lower_bound_neg_eigval"),
 }
 
 
@@ -161,7 +193,7 @@ def test_decode_with_pool_reaches_flash_kda(case, state_dtype, fwd_calls, fla_ow
     x = _inputs(**POOL_CASES[case])
     N = x["N"]
     P = 2 * N + 3
-    pool = torch.randn(P, H, D, D, generator=x["gen"], device="cuda").to(state_dtype)
+    pool = torch.randn(P, x["HV"], D, D, generator=x["gen"], device="cuda").to(state_dtype)
     indices = torch.randperm(P, generator=x["gen"], device="cuda")[:N].to(torch.int32)
     unnamed = torch.ones(P, dtype=torch.bool, device="cuda")
     unnamed[indices.long()] = False
@@ -193,6 +225,11 @@ ROW_CASES = {
     "varlen_short": dict(seqlens=(1, 7, 16, 0, 3, 12)),  # at most 16 tokens a row: the decode kernel
     "varlen_long": dict(seqlens=(200, 1, 37, 0)),  # the chunked kernels
     "fixed_B3_T5": dict(B=3, T=5),
+    # The model options (fla's KimiDeltaAttention runs fused_recurrent_kda for at most 64 tokens in inference).
+    "varlen_short_softplus": dict(seqlens=(1, 7, 16, 0, 3, 12), options="softplus"),
+    "varlen_long_gva2_softplus": dict(seqlens=(200, 1, 37, 0), G=2, options="softplus"),
+    "fixed_B3_T40_gva4_softplus_neg_eigval": dict(B=3, T=40, G=4, options="softplus_neg_eigval"),
+    "varlen_short_lower_bound_neg_eigval": dict(seqlens=(1, 7, 16, 0, 3, 12), options="lower_bound_neg_eigval"),
 }
 
 
@@ -201,7 +238,7 @@ ROW_CASES = {
 @pytest.mark.parametrize("case", list(ROW_CASES), ids=list(ROW_CASES))
 def test_rows_reach_flash_kda(case, state_dtype, in_place, fwd_calls, fla_own):
     x = _inputs(**ROW_CASES[case])
-    state = torch.randn(x["N"], H, D, D, generator=x["gen"], device="cuda").to(state_dtype)
+    state = torch.randn(x["N"], x["HV"], D, D, generator=x["gen"], device="cuda").to(state_dtype)
     kwargs = dict(output_final_state=True, inplace_final_state=in_place)
 
     fla_state = state.clone()
@@ -218,7 +255,8 @@ def test_rows_reach_flash_kda(case, state_dtype, in_place, fwd_calls, fla_own):
         compare.assert_bitwise_equal(our_state, state, "initial_state (not in place)")
 
     direct_state = state.clone()
-    direct_final = direct_state if in_place else torch.empty(x["N"], H, D, D, dtype=torch.float32, device="cuda")
+    direct_final = direct_state if in_place else torch.empty(x["N"], x["HV"], D, D, dtype=torch.float32,
+                                                             device="cuda")
     direct_out = _direct(x, direct_state, direct_final)
     compare.assert_bitwise_equal(out, direct_out, "out")
     compare.assert_bitwise_equal(final, direct_final, "final state")
@@ -249,9 +287,9 @@ def _refused_call(case: str, x: dict):
     if case == "no_gate_in_kernel":  # g is then a log decay
         return _call({**x, "g": F.logsigmoid(x["g"].float()).to(torch.bfloat16)}, initial_state=state,
                      output_final_state=True, inplace_final_state=False, use_gate_in_kernel=False)
-    if case == "softplus_gate":
+    if case == "softplus_without_A_log":  # fla's kernel then takes exp(A_log) as e
         with torch.inference_mode():
-            return _fla_fwd()(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+            return _fla_fwd()(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=None, dt_bias=x["dt_bias"],
                               initial_state=state, output_final_state=True, inplace_final_state=False,
                               cu_seqlens=x["cu_seqlens"], **{**FLAGS, "lower_bound": None})
     if case == "spec_decoding":  # two tokens a sequence, a slot per token, the accepted count picks the start
@@ -269,7 +307,7 @@ def _refused_call(case: str, x: dict):
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["no_gate_in_kernel", "softplus_gate", "spec_decoding", "requires_grad"])
+@pytest.mark.parametrize("case", ["no_gate_in_kernel", "softplus_without_A_log", "spec_decoding", "requires_grad"])
 def test_refused_calls_run_fla_kernel(case, fwd_calls):
     x = _inputs(seqlens=(2, 2, 2))
     out, final = _refused_call(case, x)

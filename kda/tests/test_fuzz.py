@@ -1,15 +1,18 @@
 """Seeded random calls of ``flash_kda.fwd``: shapes, varlen with empty and one-token sequences, state I/O and
-dtypes (mixed too), pools with padding rows and in place, and on the GPU a forced plan of every kind.
+dtypes (mixed too), pools with padding rows and in place, the model options (either gate, g + dt_bias across ±50
+under the softplus gate, negative eigenvalues, grouped value heads with G of 2 or 4, A_log or dt_bias None), and on
+the GPU a forced plan of every kind.
 
 - GPU (marker ``gpu``): GPU_CASES calls, each bit for bit against ``numerics.twin_forward`` (out, and the whole
   final pool or state: untouched slots keep their poison) with the inputs unchanged.
 - CPU (runs in CI): CPU_CASES calls of the CPU path against the float64 reference (pools through the references'
   own gather and scatter), within the CPU path's bounds (test_cpu_path.py: out within 1.01 × the bf16 rounding
-  floor, an fp32 state within 1e-6).
+  floor, an fp32 state within 1e-6; under the softplus gate within 5e-5, test_softplus_numerics.py's bound).
 
-Reproducible: case i of a run is drawn from random.Random(f"{SEED}:{i}") alone, so one failing id reruns by itself
-(``--test_filter=fuzz17``). Sizes are kept small (at most a few hundred tokens) so each variant runs in well under
-a minute.
+Reproducible: case i of a run is drawn from random.Random(f"{SEED}:{i}") alone (its options from a second generator
+of its own: lengths, key heads, states and plans are those the case drew before the options existed), so one failing
+id reruns by itself (``--test_filter=fuzz17``). Sizes are kept small (at most a few hundred tokens) so each variant
+runs in well under a minute.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ import flash_kda
 from flash_kda import compare, reference, testing
 
 SEED = 26
-GPU_CASES = 40
-CPU_CASES = 24
+GPU_CASES = 64
+CPU_CASES = 32
 FLOOR_FACTOR = 1.01  # test_cpu_path.py: measured worst 1.0000001
 FP32_STATE_REL_L2 = 1e-6  # test_cpu_path.py: measured worst 3.4e-7
+# The softplus gate's fp32 state (test_softplus_numerics.py: fp32 operands, fp32 state, MEASURED worst 1.1e-5): its
+# decays reach several hundred per token (g + dt_bias up to ±50, exp(A_log) up to 16), and fp32 carries their sums to
+# a few ulp of that magnitude, not of the decay's effect.
+SOFTPLUS_FP32_STATE_REL_L2 = 5e-5
 SEQLEN_CHOICES = (0, 1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 64, 100, 130)
 
 
@@ -69,7 +76,18 @@ def random_case(i: int, *, gpu: bool) -> matrix.Case:
             "decode": dict(decode=True),
         }[kind])
     slice_ = "pool" if fields.get("pool") else "adversarial"
-    return matrix.Case(slice_, H=H, **shape, **fields, seed=rng.randrange(1 << 31))
+    seed = rng.randrange(1 << 31)
+    # The model options, from a generator of their own: H key heads, G·H value heads.
+    options = random.Random(f"{SEED}:{i}:{'gpu' if gpu else 'cpu'}:options")
+    G = options.choice((1, 1, 2, 4))
+    gate = options.choice(matrix.GATES)
+    if fields.get("single_pass"):  # the single pass runs the lower-bound gate only
+        gate = "lower_bound"
+    fields.update(gate=gate, neg_eigval=options.random() < 0.35, G=G, has_A_log=options.random() >= 0.15,
+                  has_dt_bias=options.random() >= 0.15)
+    if gate == "softplus" and options.random() < 0.35:
+        fields["inputs"] = options.choice(("g=U±50", "g=+50", "g=-50"))
+    return matrix.Case(slice_, H=G * H, **shape, **fields, seed=seed)
 
 
 def _args_before(case: matrix.Case, x: dict) -> dict:
@@ -96,8 +114,8 @@ def test_fuzz_gpu_equals_twin(i: int) -> None:
     forced_lead = case.lead_chunks if case.lead_chunks >= -1 else None
     with testing.force_plan(v_split=case.v_split, segment_chunks=forced_segments, single_pass=case.single_pass,
                             lead_chunks=forced_lead, decode=case.decode):
-        flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
-        plan = flash_kda.plan(x["q"], x["cu_seqlens"])
+        flash_kda.fwd(**matrix.fwd_args(x))
+        plan = flash_kda.plan(x["v"], x["cu_seqlens"], **matrix.plan_args(x))  # (v: the value heads)
     # The plan the call ran (decode included): short shapes run the decode kernel unless something else is forced.
     twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode)
     failures = []
@@ -130,7 +148,7 @@ def test_fuzz_cpu_matches_float64(i: int) -> None:
     case = random_case(i, gpu=False)
     x = matrix.make_inputs(case, "cpu")
     args = _args_before(case, x)
-    flash_kda.fwd(**{n: x[n] for n in matrix.FWD_NAMES})
+    flash_kda.fwd(**matrix.fwd_args(x))
     ref_out, ref_state = reference.reference_chunked(**args)
     floor = compare.compare(ref_out.to(torch.bfloat16), ref_out).rel_l2
     compare.compare(x["out"], ref_out).check(rel_l2=FLOOR_FACTOR * floor, name=f"{case.id} out")
@@ -138,7 +156,8 @@ def test_fuzz_cpu_matches_float64(i: int) -> None:
         # The whole pool: untouched slots hold NaN (or the initial values in place) in both.
         report = compare.compare(x["final_state"], ref_state)
         if x["final_state"].dtype == torch.float32:
-            report.check(rel_l2=FP32_STATE_REL_L2, name=f"{case.id} fp32 final_state")
+            bound = FP32_STATE_REL_L2 if case.gate == "lower_bound" else SOFTPLUS_FP32_STATE_REL_L2
+            report.check(rel_l2=bound, name=f"{case.id} fp32 final_state")
         else:
             state_floor = compare.compare(ref_state.to(torch.bfloat16), ref_state).rel_l2
             report.check(rel_l2=FLOOR_FACTOR * state_floor, name=f"{case.id} bf16 final_state")
@@ -153,3 +172,14 @@ def test_fuzz_draws_every_kind() -> None:
     assert any(c.lead_chunks >= 0 for c in cases) and any(c.v_split > 1 for c in cases)
     assert any(c.indices_on_host for c in cases)
     assert random_case(3, gpu=True) == random_case(3, gpu=True)  # reproducible
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])
+def test_fuzz_draws_every_option(gpu: bool) -> None:
+    """Each draw covers both gates, negative eigenvalues under each, G of 2 and 4 (with pools too), A_log and
+    dt_bias None, and the softplus gate's extreme inputs."""
+    cases = [random_case(i, gpu=gpu) for i in range(GPU_CASES if gpu else CPU_CASES)]
+    assert {(c.gate, c.neg_eigval) for c in cases} == {(g, n) for g in matrix.GATES for n in (False, True)}
+    assert {c.G for c in cases} == {1, 2, 4} and any(c.G > 1 and c.pool for c in cases)
+    assert any(not c.has_A_log for c in cases) and any(not c.has_dt_bias for c in cases)
+    assert any(c.inputs in matrix.SOFTPLUS_RECIPES for c in cases)

@@ -3,7 +3,10 @@
 - The chunked algebra (docs/SPEC.md §2) equals the token loop (docs/SPEC.md §1) to ~1e-12 on varied shapes: partial chunks,
   varlen with empty sequences, B > 1, bf16/fp32/no initial state, natural-log and base-2 gates, several C.
 - C = 1 reduces the chunked algebra to the recurrence itself.
-- Tiny cases worked out by hand from the definition, with math (not torch) doing the arithmetic.
+- Tiny cases worked out by hand from the definition, with math (not torch) doing the arithmetic, for both gates
+  and both β scales.
+- The model options: grouped value heads (value head hv reads key head hv // G) equal the call on expanded keys
+  and each value head run alone with its key head; absent A_log / dt_bias mean exp(A_log) = 1 / dt_bias = 0.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ D = 128
 AGREE_REL = 1e-12
 
 
-def make(B, T, H, *, gen, seqlens=None, state=torch.float32, lower_bound=-5.0):
+def make(B, T, H, *, gen, seqlens=None, state=torch.float32, lower_bound=-5.0, G=1, a_log_scale=1.0):
+    """Random inputs; G > 1: grouped value heads (q, k on H key heads, the rest on G·H value heads)."""
+
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(dtype)
 
@@ -31,10 +36,11 @@ def make(B, T, H, *, gen, seqlens=None, state=torch.float32, lower_bound=-5.0):
     cu = None
     if seqlens is not None:
         cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int64)
+    HV = G * H
     return dict(
-        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, H, D), g=randn(B, T, H, D), beta=randn(B, T, H),
-        scale=D**-0.5, A_log=randn(H, dtype=torch.float32), dt_bias=randn(H, D, dtype=torch.float32),
-        lower_bound=lower_bound, initial_state=None if state is None else randn(n, H, D, D, dtype=state),
+        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, HV, D), g=randn(B, T, HV, D), beta=randn(B, T, HV),
+        scale=D**-0.5, A_log=a_log_scale * randn(HV, dtype=torch.float32), dt_bias=randn(HV, D, dtype=torch.float32),
+        lower_bound=lower_bound, initial_state=None if state is None else randn(n, HV, D, D, dtype=state),
         cu_seqlens=cu,
     )  # fmt: skip
 
@@ -156,8 +162,11 @@ def test_hand_checked_first_token(form):
 
 
 @pytest.mark.parametrize("form", ["loop", "chunked"])
-def test_hand_checked_decay_and_delta(form):
-    """Two tokens along one key direction with an initial state: decay, delta correction and output by hand."""
+@pytest.mark.parametrize("gate_kind", ["lower_bound", "softplus"])
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_hand_checked_decay_and_delta(form, gate_kind, beta_scale):
+    """Two tokens along one key direction with an initial state: decay, delta correction and output by hand.
+    beta_scale 2 (fwd's allow_neg_eigval) makes the first token's β = 2·sigmoid(1) > 1: a negative eigenvalue."""
     q = torch.cat([_unit(0), _unit(1)])
     k = torch.cat([_unit(0), _unit(0)])
     v = torch.cat([torch.full((D,), 1.0), torch.full((D,), -2.0)])
@@ -167,12 +176,15 @@ def test_hand_checked_decay_and_delta(form):
     x = _one_token(q, k, v, g, [1.0, -2.0], A_log=math.log(2.0), dt_bias=0.5, lower_bound=-3.0, scale=1.0,
                    initial_state=s0)  # fmt: skip
     fn = reference.reference_loop if form == "loop" else reference.reference_chunked
-    out, state = fn(**x)
+    out, state = fn(**x, gate_kind=gate_kind, beta_scale=beta_scale)
 
     sig = lambda z: 1.0 / (1.0 + math.exp(-z))  # noqa: E731
     n = 1.0 / math.sqrt(1.0 + 1e-6)  # |e_i| after the epsilon-inside-sqrt normalisation
-    alpha = [math.exp(-3.0 * sig(2.0 * (gv + 0.5))) for gv in (0.0, 1.0)]  # exp(A_log) = 2
-    betas = [sig(1.0), sig(-2.0)]
+    if gate_kind == "lower_bound":
+        alpha = [math.exp(-3.0 * sig(2.0 * (gv + 0.5))) for gv in (0.0, 1.0)]  # exp(A_log) = 2
+    else:
+        alpha = [math.exp(-2.0 * math.log1p(math.exp(gv + 0.5))) for gv in (0.0, 1.0)]  # −exp(A_log)·softplus
+    betas = [beta_scale * sig(1.0), beta_scale * sig(-2.0)]
     c0, c1 = 0.25, -0.5  # columns 0 and 1 of S (all rows alike)
     # token 1: decay, then delta on column 0 only (k̂ = n e_0); output reads column 0 (q̂ = n e_0)
     c0, c1 = c0 * alpha[0], c1 * alpha[0]
@@ -200,3 +212,142 @@ def test_malformed_cu_seqlens_rejected():
     x["cu_seqlens"] = torch.tensor([0, 5, 4])
     with pytest.raises(ValueError, match="non-decreasing"):
         reference.reference_loop(**x)
+
+
+# --- the model options -----------------------------------------------------------------------------------------
+
+
+OPTION_SHAPES = [
+    dict(B=1, T=37, H=2, G=2),
+    dict(B=2, T=20, H=1, G=3, state=None),
+    dict(B=1, T=0, H=2, G=2, seqlens=(0, 17, 5, 0), state=torch.bfloat16),
+    dict(B=1, T=33, H=3, G=1),
+]
+
+
+@pytest.mark.parametrize("shape", OPTION_SHAPES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize(("gate_kind", "beta_scale"), [("lower_bound", 2.0), ("softplus", 1.0), ("softplus", 2.0)])
+@pytest.mark.parametrize(("chunk", "base2"), [(16, True), (5, False)])
+def test_chunked_equals_loop_with_options(shape, gate_kind, beta_scale, chunk, base2, gen):
+    """The chunked algebra holds for either gate, β up to 2 and grouped value heads (softplus decays moderate:
+    A_log scaled by 0.3, so e^{±G} stays far inside float64 over a chunk)."""
+    x = make(**shape, gen=gen, a_log_scale=0.3)
+    options = dict(gate_kind=gate_kind, beta_scale=beta_scale)
+    out_loop, state_loop = reference.reference_loop(**x, **options)
+    out_chunk, state_chunk = reference.reference_chunked(**x, **options, chunk=chunk, base2=base2)
+    assert out_loop.shape == x["v"].shape and state_loop.shape[1] == x["v"].shape[2]
+    assert rel(out_chunk, out_loop) <= AGREE_REL
+    assert rel(state_chunk, state_loop) <= AGREE_REL
+
+
+@pytest.mark.parametrize("gate_kind", ["lower_bound", "softplus"])
+@pytest.mark.parametrize("form", ["loop", "chunked"])
+def test_grouped_value_heads_equal_expanded_keys(gate_kind, form, gen):
+    """q, k on H key heads with G·H value heads is the call on q, k repeated G times along the heads
+    (repeat_interleave: value head hv reads key head hv // G), bit for bit."""
+    x = make(1, 0, 2, G=3, seqlens=(9, 0, 20), gen=gen, a_log_scale=0.3)
+    expanded = {**x, "q": x["q"].repeat_interleave(3, dim=-2), "k": x["k"].repeat_interleave(3, dim=-2)}
+    fn = reference.reference_loop if form == "loop" else reference.reference_chunked
+    out, state = fn(**x, gate_kind=gate_kind, beta_scale=2.0)
+    out_e, state_e = fn(**expanded, gate_kind=gate_kind, beta_scale=2.0)
+    assert torch.equal(out, out_e) and torch.equal(state, state_e)
+
+
+def test_each_value_head_reads_key_head_hv_div_g(gen):
+    """Each value head alone (one head, its key head hv // G) gives that head's slice of the grouped call; a
+    mapping hv % H (the other common convention) would fail here."""
+    H, G = 2, 3
+    x = make(2, 13, H, G=G, gen=gen)
+    out, state = reference.reference_loop(**x)
+    for hv in range(G * H):
+        h = hv // G
+        alone = {**x, "q": x["q"][:, :, h : h + 1], "k": x["k"][:, :, h : h + 1], "v": x["v"][:, :, hv : hv + 1],
+                 "g": x["g"][:, :, hv : hv + 1], "beta": x["beta"][:, :, hv : hv + 1], "A_log": x["A_log"][hv : hv + 1],
+                 "dt_bias": x["dt_bias"][hv : hv + 1], "initial_state": x["initial_state"][:, hv : hv + 1]}  # fmt: skip
+        o, s = reference.reference_loop(**alone)
+        # (rounding only: the batched products run over a different number of heads)
+        assert rel(o, out[:, :, hv : hv + 1]) <= AGREE_REL and rel(s, state[:, hv : hv + 1]) <= AGREE_REL, hv
+
+
+@pytest.mark.parametrize("gate_kind", ["lower_bound", "softplus"])
+@pytest.mark.parametrize("absent", ["A_log", "dt_bias"])
+def test_absent_gate_parameters(gate_kind, absent, gen):
+    """A_log None is exp(A_log) = 1 (A_log = 0), dt_bias None is 0; and the softplus gate ignores lower_bound."""
+    x = make(1, 21, 2, G=2, gen=gen)
+    zeros = {**x, absent: torch.zeros_like(x[absent])}
+    for fn in (reference.reference_loop, reference.reference_chunked):
+        out, state = fn(**{**x, absent: None}, gate_kind=gate_kind)
+        out_z, state_z = fn(**zeros, gate_kind=gate_kind)
+        assert torch.equal(out, out_z) and torch.equal(state, state_z)
+    if gate_kind == "softplus":
+        out, state = reference.reference_loop(**{**x, "lower_bound": None}, gate_kind=gate_kind)
+        out_b, state_b = reference.reference_loop(**{**x, "lower_bound": -1.0}, gate_kind=gate_kind)
+        assert torch.equal(out, out_b) and torch.equal(state, state_b)
+
+
+def test_gate_needs_lower_bound_and_a_known_kind():
+    g = torch.zeros(1, 2, D)
+    with pytest.raises(ValueError, match="the lower_bound gate needs a lower_bound, got lower_bound=None"):
+        reference.gate(g, None, None, None)
+    with pytest.raises(ValueError, match="gate kind must be one of"):
+        reference.gate(g, None, None, -1.0, kind="sigmoid")
+    torch.testing.assert_close(reference.gate(g, None, None, None, kind="softplus"),
+                               torch.full((1, 2, D), -math.log(2.0), dtype=torch.float64), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("heads", [3, 1])
+def test_value_heads_must_be_a_multiple_of_key_heads(heads, gen):
+    x = make(1, 4, 2, gen=gen, state=None)
+    x["v"] = torch.zeros(1, 4, heads, D)
+    with pytest.raises(ValueError, match="v's heads must be a multiple of q's"):
+        reference.reference_loop(**x)
+
+
+def test_pooled_references_pass_the_options_through(gen):
+    """With state_indices the references run the dense call on the gathered slots with the same options."""
+    x = make(2, 9, 1, G=2, gen=gen, state=None)
+    pool = torch.randn(3, 2, D, D, generator=gen, dtype=torch.float64)
+    indices = torch.tensor([2, 0])
+    options = dict(gate_kind="softplus", beta_scale=2.0)
+    for fn in (reference.reference_loop, reference.reference_chunked):
+        out, final_pool = fn(**{**x, "initial_state": pool}, state_indices=indices, **options)
+        dense_out, dense_state = fn(**{**x, "initial_state": pool[indices]}, **options)
+        assert torch.equal(out, dense_out) and torch.equal(final_pool[indices], dense_state)
+
+
+def _strong_softplus(gen, *, erase_every: int) -> dict:
+    """The softplus gate at its extremes: g up to ±50, exp(A_log) up to 16 (log-decays of hundreds per token),
+    every ``erase_every``-th token g = 50 (a log-decay near −1000: that token erases the state)."""
+    x = make(2, 150, 2, G=2, gen=gen, state=torch.float32)
+    x["g"] = (25.0 * torch.randn(x["g"].shape, generator=gen)).clamp(-50, 50)
+    if erase_every:
+        x["g"][:, ::erase_every] = 50.0
+    x["A_log"] = torch.rand(x["A_log"].shape, generator=gen) * math.log(16.0)
+    x["lower_bound"] = None
+    return x
+
+
+@pytest.mark.parametrize("erase_every", [0, 7])
+@pytest.mark.parametrize(("chunk", "base2"), [(64, False), (128, True), (16, True)])
+def test_chunked_equals_loop_for_strong_softplus_decays(erase_every, chunk, base2, gen):
+    """A chunk whose decay passes e^-600 (e^-G would overflow float64) forms its products from pairwise
+    coefficients e^(G_i − G_j) <= 1: finite, and the same function as the loop."""
+    x = _strong_softplus(gen, erase_every=erase_every)
+    options = dict(gate_kind="softplus", beta_scale=2.0)
+    out_loop, state_loop = reference.reference_loop(**x, **options)
+    out_chunk, state_chunk = reference.reference_chunked(**x, **options, chunk=chunk, base2=base2)
+    assert torch.isfinite(out_chunk).all() and torch.isfinite(state_chunk).all()
+    assert rel(out_chunk, out_loop) <= AGREE_REL
+    assert rel(state_chunk, state_loop) <= AGREE_REL
+
+
+@pytest.mark.parametrize("shape", OPTION_SHAPES[:3], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("gate_kind", ["lower_bound", "softplus"])
+def test_anchored_products_equal_the_plain_ones(shape, gate_kind, gen, monkeypatch):
+    """The anchored form taken everywhere (its threshold lowered) equals the plain e^{±G} form on moderate decays."""
+    x = make(**shape, gen=gen, a_log_scale=0.3)
+    plain = reference.reference_chunked(**x, gate_kind=gate_kind, chunk=16)
+    monkeypatch.setattr(reference, "_SAFE_DECAY", -1.0)  # every block: e^Γ >= e^1 never holds
+    anchored = reference.reference_chunked(**x, gate_kind=gate_kind, chunk=16)
+    for a, b in zip(anchored, plain):
+        assert rel(a, b) <= AGREE_REL

@@ -8,9 +8,10 @@ records, a partial chunk) and the decode kernel (one and 16 tokens, empty sequen
 and forced over longer sequences), then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
 0, negative, a last one short of T) under every plan kind that takes cu_seqlens (two stages, longest first, the
 single pass, the time split with and without a V split, the decode kernel), each naming its first bad index
-through ``flash_kda.last_error``, then pooled states (padding rows, in place, every plan kind) and a state index past
-the pool under two stages, the single pass, the time split and the overlap (named by ``last_error``; no access
-outside the pool), under each tool; the test asserts exit
+through ``flash_kda.last_error``, then pooled states (padding rows, in place, every plan kind), the softplus gate
+with grouped value heads (negative eigenvalues, A_log or dt_bias None, pools; every plan kind) and a log decay of
+-960 per token, and a state index past the pool under two stages, the single pass, the time split and the overlap
+(named by ``last_error``; no access outside the pool), under each tool; the test asserts exit
 code 0 and the tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
 0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
 /usr/local/cuda/bin; where it is absent the test is skipped (with KDA_REQUIRE_GPU=1 it fails instead).
@@ -83,14 +84,35 @@ CHILD = textwrap.dedent(
         (matrix.Case("decode", H=2, seqlens=(4, 0, 1), state_io="no_state"), automatic),
         (matrix.Case("adversarial", H=2, seqlens=(0, 40, 0, 17), state_dtype="bf16"),
          lambda: testing.force_plan(decode=True)),
+        # The softplus gate with grouped value heads (two value heads per key head; four in the pool), negative
+        # eigenvalues and A_log / dt_bias None among them, on every plan kind (the single pass with the lower-bound
+        # gate); a log decay of -960 per token.
+        (matrix.Case("gva", H=4, G=2, T=37, gate="softplus", state_dtype="bf16"), automatic),
+        (matrix.Case("gva", H=4, G=2, B=2, T=90, gate="softplus", neg_eigval=True, state_dtype="fp32"),
+         lambda: testing.force_plan(v_split=1)),
+        (matrix.Case("gva", H=4, G=2, seqlens=(0, 16, 0, 90, 0), gate="softplus", state_dtype="fp32",
+                     has_A_log=False), lambda: testing.force_plan(v_split=1, segment_chunks=2, scan_v_split=1)),
+        (matrix.Case("gva", H=4, G=2, seqlens=(0, 16, 0, 150, 5), gate="softplus", neg_eigval=True,
+                     state_dtype="bf16"), lambda: testing.force_plan(single_pass=False, lead_chunks=-1)),
+        (matrix.Case("gva", H=4, G=2, seqlens=(0, 16, 0, 150, 5), neg_eigval=True, state_dtype="bf16"),
+         lambda: testing.force_plan(single_pass=True)),  # (the single pass runs the lower-bound gate only)
+        (matrix.Case("gva", H=4, G=2, B=2, T=90, gate="softplus", state_dtype="fp32", has_dt_bias=False),
+         lambda: testing.force_plan(lead_chunks=2)),
+        (matrix.Case("gva", H=4, G=2, seqlens=(0, 3, 0, 16, 1), gate="softplus", state_dtype="fp32"), automatic),
+        (matrix.Case("gva", H=8, G=4, B=3, T=37, gate="softplus", state_dtype="bf16", pool=5, padding=1),
+         lambda: testing.force_plan(v_split=4, segment_chunks=1)),
+        (matrix.Case("gva", H=8, G=4, B=3, T=1, gate="softplus", state_dtype="fp32", pool=4, padding=1,
+                     inplace_state=True), automatic),  # decode
+        (matrix.Case("gate_softplus", H=2, seqlens=(5, 0, 40), gate="softplus", inputs="decay=-960",
+                     state_dtype="fp32"), chunked),
+        (matrix.Case("gate_softplus", H=2, T=9, gate="softplus", inputs="decay=-960", state_dtype="bf16"),
+         automatic),  # decode
     ]
-    names = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound",
-             "initial_state", "final_state", "cu_seqlens", "state_indices")
     for case, plan in cases:
         # Inputs made on the CPU: fewer foreign kernels under the sanitizer.
         x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
         with plan():
-            flash_kda.fwd(**{n: x[n] for n in names})
+            flash_kda.fwd(**matrix.fwd_args(x))
         torch.cuda.synchronize()
         print("ran", case.id, flush=True)
 
@@ -124,7 +146,7 @@ CHILD = textwrap.dedent(
             with plan():
                 if plan_name == "longest_first":
                     assert flash_kda.plan(x["q"], x["cu_seqlens"]).longest_first
-                flash_kda.fwd(**{n: x[n] for n in names})
+                flash_kda.fwd(**matrix.fwd_args(x))
             torch.cuda.synchronize()
             message = flash_kda.last_error()
             assert message is not None and f"cu_seqlens[{first_bad}]" in message, (cu, plan_name, message)
@@ -145,7 +167,7 @@ CHILD = textwrap.dedent(
             x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
             x["state_indices"] = torch.tensor([0, 1 << 30, -1, 2], dtype=index_dtype).cuda()
             with plan():
-                flash_kda.fwd(**{n: x[n] for n in names})
+                flash_kda.fwd(**matrix.fwd_args(x))
             torch.cuda.synchronize()
             message = flash_kda.last_error()
             assert message is not None and "state_indices[1]" in message, (plan_name, message)

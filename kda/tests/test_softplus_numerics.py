@@ -47,8 +47,8 @@ def _bf16_operands() -> numerics.Arithmetic:
         product = torch.matmul(a.float(), b.float())
         return product if c is None else c + product
 
-    return numerics.Arithmetic(exp2=torch.exp2, sigmoid=torch.sigmoid, operand=lambda t: t.to(torch.bfloat16),
-                               matmul=matmul)
+    return numerics.Arithmetic(exp2=torch.exp2, softplus2=numerics._softplus2, sigmoid=torch.sigmoid,
+                               operand=lambda t: t.to(torch.bfloat16), matmul=matmul)
 
 
 CASES = {
@@ -101,7 +101,8 @@ def test_anchored_products_equal_the_factorised_ones_where_both_are_finite():
     cum = gamma[0].cumsum(0).transpose(0, 1).double()  # [H, 16, K]
     k_hat = x["k"][0].double().transpose(0, 1)
     a, _ = numerics._anchored_products(k_hat, k_hat, cum, numerics.Arithmetic(
-        exp2=torch.exp2, sigmoid=torch.sigmoid, operand=lambda t: t, matmul=lambda a, b, c=None: a @ b))
+        exp2=torch.exp2, softplus2=numerics._softplus2, sigmoid=torch.sigmoid, operand=lambda t: t,
+        matmul=lambda a, b, c=None: a @ b))
     factorised = (k_hat * torch.exp2(cum)) @ (k_hat * torch.exp2(-cum)).transpose(-1, -2)
     strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
     assert torch.allclose(a.double()[..., strict], factorised[..., strict], rtol=1e-5, atol=1e-5)

@@ -2,6 +2,8 @@
 
 fwd validates in the order arch → dtype → device → layout → shape → scalar values; each message names the
 argument and shows its offending value. The arch check is exercised by monkeypatching the capability seam.
+The model options (gate, allow_neg_eigval, grouped value heads, absent A_log / dt_bias) are validated here too;
+their computation is checked in test_cpu_path and test_reference.
 """
 
 from __future__ import annotations
@@ -19,20 +21,21 @@ B, T, H, D = 1, 5, 2, 128
 N = 1
 
 
-def inputs(*, B: int = B, T: int = T, H: int = H, state: torch.dtype | None = torch.float32) -> dict:
-    """A valid tiny CPU argument set for flash_kda.fwd."""
+def inputs(*, B: int = B, T: int = T, H: int = H, state: torch.dtype | None = torch.float32, G: int = 1) -> dict:
+    """A valid tiny CPU argument set for flash_kda.fwd (G > 1: grouped value heads, H key heads, G·H value heads)."""
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(dtype)
 
     n = B
+    HV = G * H
     return dict(
-        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, H, D), g=randn(B, T, H, D),
-        beta=randn(B, T, H), scale=D**-0.5, out=torch.empty(B, T, H, D, dtype=torch.bfloat16),
-        A_log=randn(H, dtype=torch.float32), dt_bias=randn(H, D, dtype=torch.float32), lower_bound=-5.0,
-        initial_state=None if state is None else randn(n, H, D, D, dtype=state),
-        final_state=None if state is None else torch.empty(n, H, D, D, dtype=state),
+        q=randn(B, T, H, D), k=randn(B, T, H, D), v=randn(B, T, HV, D), g=randn(B, T, HV, D),
+        beta=randn(B, T, HV), scale=D**-0.5, out=torch.empty(B, T, HV, D, dtype=torch.bfloat16),
+        A_log=randn(HV, dtype=torch.float32), dt_bias=randn(HV, D, dtype=torch.float32), lower_bound=-5.0,
+        initial_state=None if state is None else randn(n, HV, D, D, dtype=state),
+        final_state=None if state is None else torch.empty(n, HV, D, D, dtype=state),
         cu_seqlens=None,
     )  # fmt: skip
 
@@ -142,7 +145,7 @@ def test_not_a_tensor():
     raises(TypeError, r"q must be a torch.Tensor or None, got type\(t\)=<class 'list'>", q=[1.0])
 
 
-@pytest.mark.parametrize("name", ["q", "out", "A_log", "dt_bias"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "out"])
 def test_required_arguments(name):
     raises(TypeError, rf"{name} is required, got {name}=None", **{name: None})
 
@@ -215,8 +218,10 @@ def test_q_must_be_4d():
     ("name", "shape"),
     [
         ("k", (B, T + 1, H, D)),
+        ("k", (B, T, 2 * H, D)),
         ("g", (B, T, H + 1, D)),
-        ("v", (B, T, H + 1, D)),
+        ("v", (B, T + 1, H, D)),
+        ("v", (B + 1, T, H, D)),
         ("out", (B, T + 1, H, D)),
         ("beta", (B, T, H, 1)),
         ("beta", (B, T)),
@@ -296,6 +301,225 @@ def test_lower_bound_edges_accepted(lower_bound):
     out_err = (x["out"].double() - ref_out).norm() / ref_out.norm()
     state_err = (x["final_state"].double() - ref_state).norm() / ref_state.norm()
     assert out_err < 4e-3 and state_err < 1e-4, (out_err, state_err)
+
+
+# --- model options: the gate, negative eigenvalues, grouped value heads, absent A_log / dt_bias ---------------
+
+
+G = 2  # value heads per key head in the grouped cases below (H = 2 key heads, HV = 4 value heads)
+HV = G * H
+
+
+def _full_args(x: dict) -> tuple:
+    """validate's / well_formed's 17 positional arguments for the argument dict x (fwd's keywords included)."""
+    return (*_args(x)[:13], x.get("workspace"), x.get("state_indices"), x.get("gate", "lower_bound"),
+            x.get("allow_neg_eigval", False))
+
+
+def accepted(x: dict, *, usual: bool = True) -> tuple:
+    """validate's dims for x, asserting that the tight pass returns the same for a call of the usual kind (it
+    leaves the unusual, e.g. an int lower_bound, to the ordered checks)."""
+    dims = validation.validate(*_full_args(x), concrete=True)
+    assert validation.well_formed(*_full_args(x)) == (dims if usual else None)
+    return dims
+
+
+@pytest.mark.parametrize("gate", ["Softplus", "sigmoid", "lower-bound", "", None, 0, ("softplus",)], ids=repr)
+def test_gate_name_is_refused(gate):
+    raises(ValueError, re.escape(f"gate must be one of ['lower_bound', 'softplus'], got gate={gate!r}"), gate=gate)
+
+
+@pytest.mark.parametrize("value", [1, 0, "True", None, 1.0, torch.tensor(True)], ids=repr)
+def test_allow_neg_eigval_must_be_a_bool(value):
+    raises(TypeError, re.escape(f"allow_neg_eigval must be a bool, got allow_neg_eigval={value!r}"),
+           allow_neg_eigval=value)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+def test_gate_and_neg_eigval_are_accepted(gate, allow_neg_eigval):
+    assert accepted({**inputs(), "gate": gate, "allow_neg_eigval": allow_neg_eigval}) == (B, T, H, N, H)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0, 3.5, -100.0, 0, 7, 1e300])
+def test_softplus_gate_takes_any_finite_lower_bound_or_none(lower_bound):
+    """The softplus gate does not use lower_bound: None or any finite number (even outside [-5, 0])."""
+    usual = lower_bound is None or type(lower_bound) is float
+    assert accepted({**inputs(), "gate": "softplus", "lower_bound": lower_bound}, usual=usual) == (B, T, H, N, H)
+
+
+@pytest.mark.parametrize("lower_bound", [math.nan, math.inf, -math.inf, "x", True, torch.tensor(-1.0)], ids=repr)
+def test_softplus_gate_refuses_a_lower_bound_that_is_not_a_finite_number(lower_bound):
+    raises(ValueError, re.escape("lower_bound must be None or a finite real number with gate='softplus' (which does "
+                                 f"not use it), got lower_bound={lower_bound!r}"),
+           gate="softplus", lower_bound=lower_bound)
+
+
+def test_lower_bound_gate_refuses_none():
+    raises(ValueError, r"lower_bound must be a finite number in \[-5.0, 0.0\], got lower_bound=None "
+                       r"\(gate='lower_bound'; only gate='softplus' takes None\)", lower_bound=None)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+@pytest.mark.parametrize("absent", [("A_log",), ("dt_bias",), ("A_log", "dt_bias")], ids="+".join)
+def test_gate_parameters_may_be_none(gate, absent):
+    """A_log None means exp(A_log) = 1 and dt_bias None means 0 (fla's gate without them), for either gate."""
+    x = {**inputs(), "gate": gate, **{name: None for name in absent}}
+    assert accepted(x) == (B, T, H, N, H)
+    assert accepted({**inputs(G=G), "gate": gate, **{name: None for name in absent}}) == (B, T, HV, N, H)
+
+
+@pytest.mark.parametrize("variant", ["fixed", "varlen", "pool", "no_state", "flat_dt_bias", "softplus_neg_eigval"])
+def test_grouped_value_heads_are_accepted(variant):
+    """q, k on H key heads; v, g, out, beta, A_log, dt_bias and the states on HV = G·H value heads: validate
+    returns (B, T, HV, N, H)."""
+    x = inputs(G=G, B=2, state=None if variant == "no_state" else torch.float32)
+    n = 2
+    if variant == "varlen":
+        x = inputs(G=G, B=1, T=T)
+        x["cu_seqlens"] = torch.tensor([0, 2, 2, T], dtype=torch.int32)
+        n = 3
+        x["initial_state"], x["final_state"] = torch.zeros(n, HV, D, D), torch.empty(n, HV, D, D)
+    elif variant == "pool":
+        x["initial_state"] = torch.zeros(P, HV, D, D)
+        x["final_state"] = x["initial_state"]
+        x["state_indices"] = torch.tensor([3, -1])
+    elif variant == "flat_dt_bias":
+        x["dt_bias"] = x["dt_bias"].reshape(-1)
+    elif variant == "softplus_neg_eigval":
+        x.update(gate="softplus", allow_neg_eigval=True, lower_bound=None)
+    assert accepted(x) == (x["q"].shape[0], x["q"].shape[1], HV, n, H)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 5, 0])
+def test_value_heads_must_be_a_multiple_of_key_heads(heads):
+    """v with HV heads against q's H = 2: HV = G·H with an integer G >= 1, else the error names both shapes."""
+    x = inputs()
+    x["v"] = torch.zeros(B, T, heads, D, dtype=torch.bfloat16)
+    raises(ValueError, re.escape(f"v's heads HV must be a multiple G >= 1 of q's heads H (grouped value heads: value "
+                                 f"head hv reads key head hv // G), got HV={heads} from "
+                                 f"v.shape=torch.Size([{B}, {T}, {heads}, {D}]) and H={H} from "
+                                 f"q.shape=torch.Size([{B}, {T}, {H}, {D}])"), v=x["v"])
+
+
+def test_key_heads_zero_need_value_heads_zero():
+    x = inputs(H=0)
+    x["v"] = torch.zeros(B, T, 2, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("got HV=2 from v.shape=torch.Size([1, 5, 2, 128]) and H=0")):
+        flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "pattern"),
+    [
+        ("k", (B, T, HV, D), r"k must have shape \[1, 5, 2, 128\] \(q's shape\), got k.shape=\(1, 5, 4, 128\)"),
+        ("g", (B, T, H, D), r"g must have shape \[1, 5, 4, 128\] \(from q.shape=.* and v.shape=.*\), got g.shape="),
+        ("out", (B, T, H, D), r"out must have shape \[1, 5, 4, 128\] .*got out.shape=\(1, 5, 2, 128\)"),
+        ("beta", (B, T, H), r"beta must have shape \[1, 5, 4\] .*got beta.shape=\(1, 5, 2\)"),
+        ("A_log", (H,), r"A_log must have shape \[4\] .*got A_log.shape=\(2,\)"),
+        ("dt_bias", (H, D), r"dt_bias must have shape \[4, 128\] \(or flat \[512\]; one row per value head\), got "
+                            r"dt_bias.shape=torch.Size\(\[2, 128\]\)"),
+        ("dt_bias", (H * D,), r"dt_bias must have shape \[4, 128\]"),
+        ("initial_state", (N, H, D, D), r"initial_state must have shape \[N, H, V, K\] = \[1, 4, 128, 128\]"),
+        ("final_state", (N, H, D, D), r"final_state must have shape \[N, H, V, K\] = \[1, 4, 128, 128\]"),
+    ],
+    ids=["k", "g", "out", "beta", "A_log", "dt_bias", "dt_bias_flat", "initial_state", "final_state"],
+)  # fmt: skip
+def test_grouped_value_heads_shapes(name, shape, pattern):
+    """With grouped value heads, everything but q and k is on the value heads (a key-head shape is refused)."""
+    x = inputs(G=G)
+    x[name] = torch.zeros(shape, dtype=x[name].dtype)
+    with pytest.raises(ValueError, match=pattern):
+        flash_kda.fwd(**x)
+
+
+def test_grouped_value_heads_pool_shape():
+    x = {**inputs(G=G, B=2, state=None), "initial_state": torch.zeros(P, H, D, D), "state_indices": torch.tensor([0, 1])}
+    with pytest.raises(ValueError, match=re.escape(f"initial_state must be a pool [P, H, V, K] = [P, {HV}, {D}, {D}]")):
+        flash_kda.fwd(**x)
+
+
+# Calls that validate refuses, of the new options: the tight pass must not accept any of them.
+OPTION_ERRORS = {
+    "gate_name": dict(gate="Softplus"),
+    "gate_none": dict(gate=None),
+    "neg_eigval_int": dict(allow_neg_eigval=1),
+    "neg_eigval_none": dict(allow_neg_eigval=None),
+    "lower_bound_none": dict(lower_bound=None),
+    "softplus_nan": dict(gate="softplus", lower_bound=math.nan),
+    "softplus_inf": dict(gate="softplus", lower_bound=-math.inf),
+    "softplus_str": dict(gate="softplus", lower_bound="-5"),
+    "softplus_bool": dict(gate="softplus", lower_bound=False),
+    "value_heads_3": dict(v=torch.zeros(B, T, 3, D, dtype=torch.bfloat16)),
+    "value_heads_1": dict(v=torch.zeros(B, T, 1, D, dtype=torch.bfloat16)),
+    "k_grouped": dict(k=torch.zeros(B, T, 2 * H, D, dtype=torch.bfloat16)),
+    "A_log_list": dict(A_log=[0.0, 0.0]),
+    "dt_bias_float": dict(dt_bias=0.0),
+}
+
+
+@pytest.mark.parametrize("changes", list(OPTION_ERRORS.values()), ids=list(OPTION_ERRORS))
+def test_well_formed_never_accepts_what_validate_refuses(changes):
+    x = {**inputs(), **changes}
+    assert validation.well_formed(*_full_args(x)) is None
+    with pytest.raises((TypeError, ValueError)):
+        validation.validate(*_full_args(x), concrete=True)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"g": torch.zeros(B, T, H, D, dtype=torch.bfloat16)}, {"out": torch.zeros(B, T, H, D, dtype=torch.bfloat16)},
+     {"beta": torch.zeros(B, T, H, dtype=torch.bfloat16)}, {"A_log": torch.zeros(H)}, {"dt_bias": torch.zeros(H, D)},
+     {"initial_state": torch.zeros(N, H, D, D)}, {"k": torch.zeros(B, T, HV, D, dtype=torch.bfloat16)},
+     {"q": torch.zeros(B, T, HV, D, dtype=torch.bfloat16)}],
+    ids=["g", "out", "beta", "A_log", "dt_bias", "initial_state", "k", "q"],
+)  # fmt: skip
+def test_well_formed_never_accepts_key_head_shapes_with_grouped_value_heads(changes):
+    x = {**inputs(G=G), **changes}
+    assert validation.well_formed(*_full_args(x)) is None
+    with pytest.raises(ValueError):
+        validation.validate(*_full_args(x), concrete=True)
+
+
+def test_fake_implementation_checks_the_options():
+    """The operator's fake implementation refuses a bad gate and a bad value-head count with fwd's messages."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_kda import ops
+
+    x = inputs(G=G)
+    with FakeTensorMode() as mode:
+        fake = {n: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+        ops._fwd_fake(*_full_args({**fake, "gate": "softplus", "lower_bound": None, "allow_neg_eigval": True}))
+        with pytest.raises(ValueError, match="gate must be one of"):
+            ops._fwd_fake(*_full_args({**fake, "gate": "relu"}))
+        fake["v"] = mode.from_tensor(torch.zeros(B, T, 3, D, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="v's heads HV must be a multiple G >= 1 of q's heads H"):
+            ops._fwd_fake(*_full_args(fake))
+
+
+def test_plan_and_workspace_take_the_value_heads():
+    """plan / workspace_bytes count the kernels' programs per value head: heads=HV, or v in place of q."""
+    x = inputs(G=G, T=8192, state=None)
+    assert planning.plan(x["q"], heads=HV) == planning.plan(x["v"]) == planning.plan(x["g"])
+    assert flash_kda.workspace_bytes(x["q"], heads=HV) == flash_kda.workspace_bytes(x["v"])
+    assert flash_kda.workspace_bytes(x["q"]) == flash_kda.workspace_bytes(x["v"], heads=H)
+    for bad in (-1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="heads must be None or the call's value heads"):
+            planning.plan(x["q"], heads=bad)
+
+
+def test_plan_takes_the_gate():
+    """The single pass runs the lower-bound gate only: a shape it would take runs two stages with the softplus gate
+    (plan, workspace_bytes and the cached plan_for all follow the gate)."""
+    q = torch.zeros(64, 128, 32, D, dtype=torch.bfloat16)  # 64 sequences of 8 chunks, 32 heads: the single pass
+    assert planning.plan(q).single_pass and planning.plan(q, gate="lower_bound").single_pass
+    softplus = planning.plan(q, gate="softplus")
+    assert not softplus.single_pass and not softplus.decode
+    assert planning.plan_for(64, 128, 32, 64, False, 132, validation.GATE_CODES["softplus"])[0] == softplus
+    assert flash_kda.workspace_bytes(q, gate="softplus") > flash_kda.workspace_bytes(q) == 0
+    with pytest.raises(ValueError, match=re.escape("gate must be one of ['lower_bound', 'softplus'], got gate='x'")):
+        planning.plan(q, gate="x")
 
 
 # --- cu_seqlens contents (CPU: validated inline; anywhere: check_cu_seqlens) ------------------------------
@@ -707,7 +931,7 @@ def _args(x: dict) -> tuple:
 
 @pytest.mark.parametrize("variant", ["states", "no_state", "bf16_states", "flat_dt_bias", "varlen", "bf16_params"])
 def test_well_formed_accepts_what_validate_accepts(variant):
-    """The tight pass returns the same (B, T, H, N) as the ordered checks on well-formed calls of every kind."""
+    """The tight pass returns the same (B, T, HV, N, H) as the ordered checks on well-formed calls of every kind."""
     x = inputs(state=None if variant == "no_state" else torch.bfloat16 if variant == "bf16_states" else torch.float32)
     if variant == "flat_dt_bias":
         x["dt_bias"] = x["dt_bias"].reshape(-1)
@@ -738,6 +962,8 @@ def test_well_formed_accepts_what_validate_accepts(variant):
         {"initial_state": torch.zeros(B + 1, H, D, D)},
         {"final_state": torch.zeros(B, H, D, D, dtype=torch.float16)},
         {"out": torch.empty(B, T, H, D, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)},
+        {"lower_bound": None},
+        {"v": torch.zeros(B, T, H + 1, D, dtype=torch.bfloat16)},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -899,7 +1125,7 @@ def test_well_formed_accepts_pooled_calls(variant):
         x["initial_state"] = None
     args = (*_args(x), x["state_indices"])
     dims = validation.well_formed(*args)
-    assert dims == (2, T, H, 2)
+    assert dims == (2, T, H, 2, H)
     assert dims == validation.validate(*args, concrete=True)
 
 

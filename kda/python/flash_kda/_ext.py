@@ -21,6 +21,7 @@ __all__ = [
     "ex2_approx",
     "tanh_approx",
     "sigmoid_approx",
+    "softplus_log2",
     "mma_bf16",
 ]
 
@@ -125,6 +126,12 @@ def tanh_approx(x: torch.Tensor) -> torch.Tensor:
 def sigmoid_approx(x: torch.Tensor) -> torch.Tensor:
     """y = sigmoid(x) elementwise exactly as the kernel computes it (fp32 CUDA tensor in, new tensor out)."""
     return _elementwise("sigmoid_approx", x)
+
+
+def softplus_log2(x: torch.Tensor) -> torch.Tensor:
+    """y = log2(1 + e^x) elementwise exactly as the softplus gate computes it (fp32 CUDA tensor in, new tensor
+    out)."""
+    return _elementwise("softplus_log2", x)
 
 
 def mma_bf16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,15 +20,24 @@ __all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-        out: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+        out: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
         initial_state: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
-        state_indices: torch.Tensor | None = None) -> None:
+        state_indices: torch.Tensor | None = None, gate: str = "lower_bound", allow_neg_eigval: bool = False) -> None:
     """Kimi Delta Attention forward: writes the output into ``out`` and the last state into ``final_state``.
 
-    Per sequence n and head h, with q̂ = q/sqrt(Σq² + 1e-6), k̂ likewise, the per-channel decay
-    α_t = exp(lower_bound · sigmoid(exp(A_log[h]) · (g_t + dt_bias[h]))) and β_t = sigmoid(beta_t), the state
-    S ∈ R^{V×K} (zeros or ``initial_state[n, h]``) evolves token by token as
+    Per sequence n and value head h (reading key head h // G, where HV = G·H: grouped value heads; G = 1 is plain
+    KDA), with q̂ = q/sqrt(Σq² + 1e-6), k̂ likewise, a = exp(A_log[h]) (1 without A_log), x_t = g_t + dt_bias[h]
+    (g_t without dt_bias), the per-channel decay α_t = exp(λ_t) with
+
+        gate="lower_bound":  λ_t = lower_bound · sigmoid(a · x_t)        (in (lower_bound, 0))
+        gate="softplus":     λ_t = −a · softplus(x_t)                     (fla's default; lower_bound unused)
+
+    (the kernels take λ_t below −128 ln 2 as −128 ln 2: a factor 2^−128 or smaller is zero in their fp32
+    arithmetic either way, and the state is erased as the math says),
+
+    and β_t = sigmoid(beta_t) (2·sigmoid(beta_t) with ``allow_neg_eigval``: the update's eigenvalue 1 − β_t then
+    ranges over (−1, 1)), the state S ∈ R^{V×K} (zeros or ``initial_state[n, h]``) evolves token by token as
 
         S ← S · Diag(α_t);   S ← S + β_t (v_t − S k̂_t) k̂_tᵀ;   out_t = S (scale · q̂_t)
 
@@ -38,26 +47,28 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
     | arg | dtype | shape | meaning |
     |---|---|---|---|
-    | q, k | bf16 | [B, T, H, K] | queries, keys (L2-normalised inside) |
-    | v | bf16 | [B, T, H, V] | values |
-    | g | bf16 | [B, T, H, K] | gate before activation |
-    | beta | bf16 | [B, T, H] | beta logits (sigmoid inside) |
+    | q, k | bf16 | [B, T, H, K] | queries, keys on the H key heads (L2-normalised inside) |
+    | v | bf16 | [B, T, HV, V] | values on HV = G·H value heads (G ≥ 1; G = 1: one value head per key head) |
+    | g | bf16 | [B, T, HV, K] | gate before activation |
+    | beta | bf16 | [B, T, HV] | beta logits (sigmoid inside) |
     | scale | float | — | output scale, finite (usually K**-0.5) |
-    | out | bf16 | [B, T, H, V] | output buffer, written in place |
-    | A_log | fp32 / bf16 / fp16 | [H] | log-gate parameter (read as if widened to fp32) |
-    | dt_bias | fp32 / bf16 / fp16 | [H, K] (or flat [H*K]) | gate bias (likewise) |
-    | lower_bound | float | — | gate lower bound, in [-5, 0] |
-    | initial_state | None / bf16 / fp32 | [N, H, V, K] or pool [P, H, V, K] | initial state (None: zeros); never modified |
-    | final_state | None / bf16 / fp32 | [N, H, V, K] or pool [P, H, V, K] | output buffer for the final state (may be initial_state) |
+    | out | bf16 | [B, T, HV, V] | output buffer, written in place |
+    | A_log | None / fp32 / bf16 / fp16 | [HV] | log-gate parameter (read as if widened to fp32); None: exp(A_log) = 1 |
+    | dt_bias | None / fp32 / bf16 / fp16 | [HV, K] (or flat [HV*K]) | gate bias (likewise); None: 0 |
+    | lower_bound | float / None | — | gate="lower_bound": the gate's lower bound, in [-5, 0]; gate="softplus": unused (None or a finite number) |
+    | initial_state | None / bf16 / fp32 | [N, HV, V, K] or pool [P, HV, V, K] | initial state (None: zeros); never modified |
+    | final_state | None / bf16 / fp32 | [N, HV, V, K] or pool [P, HV, V, K] | output buffer for the final state (may be initial_state) |
     | cu_seqlens | int64 / int32 | [N + 1] | optional sequence boundaries; requires B = 1; may be on the CPU |
-    | workspace | uint8 | [≥ workspace_bytes(q, cu_seqlens, state_indices)] | optional CUDA scratch (keyword only) |
+    | workspace | uint8 | [≥ workspace_bytes(v, cu_seqlens, state_indices, gate=gate)] | optional CUDA scratch (keyword only) |
     | state_indices | int64 / int32 | [N] | optional pool slot of each sequence (keyword only); may be on the CPU |
+    | gate | str | — | "lower_bound" (default) or "softplus": the decay's activation, above (keyword only) |
+    | allow_neg_eigval | bool | — | β = 2·sigmoid(beta) instead of sigmoid(beta) (keyword only; default False) |
 
     K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
     bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
     Only ``out`` and ``final_state`` are written. Returns None.
 
-    Pooled states (``state_indices``, as serving engines keep them): the state tensors are pools [P, H, V, K]
+    Pooled states (``state_indices``, as serving engines keep them): the state tensors are pools [P, HV, V, K]
     (P >= 1, independent of N; both of one P when both are given) and sequence n starts from slot
     ``state_indices[n]`` and writes its final state there; slots no sequence names are left untouched, so
     ``final_state`` may be the ``initial_state`` pool itself (in place). A negative index means no slot: the
@@ -90,7 +101,6 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         from flash_kda import ops  # noqa: PLC0415 -- registers the operator on first use
 
         return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                          cu_seqlens, workspace, state_indices)
+                          cu_seqlens, workspace, state_indices, gate, allow_neg_eigval)
     return _run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                workspace, state_indices)
-
+                workspace, state_indices, gate, allow_neg_eigval)

@@ -15,6 +15,7 @@ import torch
 from flash_kda import _ext, pools
 from flash_kda.planning import host_copies, plan_for, sm_count_of
 from flash_kda.validation import (
+    GATE_CODES,
     HEAD_DIM,
     PARAM_TYPES,
     check_cu_seqlens,
@@ -30,13 +31,15 @@ __all__ = ["run", "run_cpu", "last_error", "reserve_workspace"]
 
 
 def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-        workspace, state_indices=None, cached_workspace: bool = True) -> None:
+        workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False,
+        cached_workspace: bool = True) -> None:
     """``fwd`` outside tracing (the same arguments, all given): validate, then run the CUDA kernel or the CPU path.
 
     Without ``workspace``, a CUDA call uses the per-stream cache, or with ``cached_workspace=False`` a temporary
-    of its own (the operator's choice, ops.py)."""
-    B, T, H, N = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                          cu_seqlens, workspace, state_indices, concrete=True)
+    of its own (the operator's choice, ops.py). H below is the value heads (v's); q and k have H // G key heads."""
+    B, T, H, N, key_heads = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+                                     final_state, cu_seqlens, workspace, state_indices, gate, allow_neg_eigval,
+                                     concrete=True)
     K = HEAD_DIM
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
@@ -60,14 +63,16 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         return None
 
     if q.device.type == "cpu":
-        run_cpu(q, k, v, g, beta, float(scale), out, A_log, dt_bias.view(H, K), float(lower_bound),
-                initial_state, final_state, cu_seqlens, state_indices)  # fmt: skip
+        run_cpu(q, k, v, g, beta, float(scale), out, A_log, None if dt_bias is None else dt_bias.view(H, K),
+                None if lower_bound is None else float(lower_bound), initial_state, final_state, cu_seqlens,
+                state_indices, gate, allow_neg_eigval)  # fmt: skip
         return None
 
     C = _ext.load()
     index = q.device.index  # a CUDA tensor's device always has an index
     stream = _ext.current_stream(index)
-    plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index))
+    gate_code = GATE_CODES[gate]
+    plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
     if cu_on_host or indices_on_host:
         cu_offset, indices_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host, indices_on_host)
     else:
@@ -104,10 +109,13 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     # The extension makes q's device current for the launches itself (a torch.cuda.device context costs more
     # host time than the launches). Its argument is four groups (kda/csrc/binding.cpp): tensors with their dtype
     # codes, shape with the scalars, the plan, and where to launch. (Pointers read inline, 0 for None: a helper
-    # function's call per tensor is host time too.)
+    # function's call per tensor is host time too.) Shape: (B, T, N, value heads, scale, lower_bound (0.0 for the
+    # softplus gate, which does not use it), P, key heads, gate code, β's scale (2 allows negative eigenvalues)).
     C.fwd(
-        (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
-         PARAM_TYPES[A_log.dtype], dt_bias.data_ptr(), PARAM_TYPES[dt_bias.dtype], out.data_ptr(),
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+         0 if A_log is None else A_log.data_ptr(), 0 if A_log is None else PARAM_TYPES[A_log.dtype],
+         0 if dt_bias is None else dt_bias.data_ptr(), 0 if dt_bias is None else PARAM_TYPES[dt_bias.dtype],
+         out.data_ptr(),
          0 if initial_state is None else initial_state.data_ptr(),
          initial_state is not None and initial_state.dtype == torch.float32,
          0 if final_state is None else final_state.data_ptr(),
@@ -116,7 +124,8 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
          cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
          0 if state_indices is None else state_indices.data_ptr(),
          state_indices is not None and state_indices.dtype == torch.int64),
-        (B, T, N, H, float(scale), float(lower_bound), P),
+        (B, T, N, H, float(scale), 0.0 if gate_code else float(lower_bound), P, key_heads, gate_code,
+         2.0 if allow_neg_eigval else 1.0),
         plan,
         (workspace.data_ptr(), workspace.numel(), 0 if status is None else status, stream, index),
     )  # fmt: skip
@@ -152,20 +161,20 @@ def _gib(nbytes: int) -> str:
 
 
 def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-            state_indices=None):
+            state_indices=None, gate="lower_bound", allow_neg_eigval=False):
     """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state`` (with
     ``state_indices``: into the named slots of the pool ``final_state``, ``pools.scatter``).
 
     Refuses (MemoryError, before any work) a call whose working memory exceeds what the host has available."""
     from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
 
-    B, T, H, _ = q.shape
+    B, T, H, _ = v.shape  # H: the value heads (the path expands grouped key heads to them)
     needed = cpu_bytes_needed(B * T * H)
     available = available_host_memory()
     if available is not None and needed > available:
         raise MemoryError(
             f"flash_kda: the CPU path needs about {_gib(needed)} for {B * T * H} token-heads "
-            f"(B*T*H from {tuple(q.shape)=}; ~{CPU_BYTES_PER_TOKEN_HEAD // 1024} KiB each) but the host has "
+            f"(B*T*H from {tuple(v.shape)=}; ~{CPU_BYTES_PER_TOKEN_HEAD // 1024} KiB each) but the host has "
             f"{_gib(available)} available; use CUDA tensors or split the call"
         )
 
@@ -176,7 +185,8 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
     if state_indices is not None and initial_state is not None:
         dense_initial = pools.gather(initial_state, state_indices)
     o, state = numerics.cpu_forward(
-        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=dense_initial, cu_seqlens=cu_seqlens
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=dense_initial, cu_seqlens=cu_seqlens,
+        gate_kind=gate, beta_scale=2.0 if allow_neg_eigval else 1.0,
     )
     # The results are fresh tensors, so final_state may alias initial_state.
     out.copy_(o)
@@ -295,7 +305,8 @@ def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
             raise RuntimeError(
                 f"flash_kda.fwd needs {nbytes} workspace bytes during CUDA graph capture but the cached workspace "
                 f"holds {0 if buf is None else buf.numel()}; pass workspace= or call "
-                "flash_kda.reserve_workspace(flash_kda.workspace_bytes(q, cu_seqlens), q.device) before capture"
+                "flash_kda.reserve_workspace(flash_kda.workspace_bytes(v, cu_seqlens, gate=gate), v.device) before "
+                "capture"
             )
         size = -(-nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
         old = _workspaces.pop(key, None)
@@ -310,8 +321,8 @@ def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
 def reserve_workspace(nbytes: int, device: torch.device | str | int | None = None) -> torch.Tensor:
     """Grows the cached workspace of ``device``'s current stream to at least ``nbytes`` and returns it.
 
-    Call before CUDA graph capture with the largest ``workspace_bytes(q, cu_seqlens)`` the graph will see, so
-    that ``fwd`` allocates nothing while capturing (or pass ``workspace=`` to ``fwd`` instead).
+    Call before CUDA graph capture with the largest ``workspace_bytes(v, cu_seqlens, gate=gate)`` the graph will
+    see, so that ``fwd`` allocates nothing while capturing (or pass ``workspace=`` to ``fwd`` instead).
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes=}")

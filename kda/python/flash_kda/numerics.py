@@ -36,6 +36,7 @@ class Arithmetic:
     """The operations that distinguish the twin from the fp32 CPU path."""
 
     exp2: Callable[[torch.Tensor], torch.Tensor]
+    softplus2: Callable[[torch.Tensor], torch.Tensor]  # log2(1 + e^x), the softplus gate's core (gate.cuh)
     sigmoid: Callable[[torch.Tensor], torch.Tensor]
     operand: Callable[[torch.Tensor], torch.Tensor]  # rounding of a tensor-core operand
     matmul: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]  # c + a @ b
@@ -49,8 +50,15 @@ def _fp32_matmul(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = N
     return product if c is None else c + product
 
 
+def _softplus2(x: torch.Tensor) -> torch.Tensor:
+    """log2(1 + e^x) = max(x, 0)·log2 e + log1p(e^−|x|)·log2 e in fp32 (gate.cuh's formula, PyTorch's functions)."""
+    log2e = _fp32(LOG2E, x.device)
+    return torch.clamp(x, min=0) * log2e + torch.log1p(torch.exp(-x.abs())) * log2e
+
+
 def fp32_arithmetic() -> Arithmetic:
-    return Arithmetic(exp2=torch.exp2, sigmoid=torch.sigmoid, operand=lambda x: x, matmul=_fp32_matmul)
+    return Arithmetic(exp2=torch.exp2, softplus2=_softplus2, sigmoid=torch.sigmoid, operand=lambda x: x,
+                      matmul=_fp32_matmul)
 
 
 def kernel_arithmetic() -> Arithmetic:
@@ -61,6 +69,7 @@ def kernel_arithmetic() -> Arithmetic:
 
     return Arithmetic(
         exp2=_ext.ex2_approx,
+        softplus2=_ext.softplus_log2,
         sigmoid=_ext.sigmoid_approx,
         operand=lambda x: x.to(torch.bfloat16),
         matmul=mma,
@@ -90,53 +99,99 @@ def _inv_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(torch.sqrt(tree_sum_128(x * x) + _fp32(NORM_EPS, x.device)))
 
 
+GATE_KINDS = ("lower_bound", "softplus")
+MIN_LOG2_DECAY = -128.0  # the softplus gate's floor on a token's γ (gate.cuh, kMinLog2Decay)
+
+
 def _gate_log2(g: torch.Tensor, A_log, dt_bias, lower_bound, ar: Arithmetic, kind: str = "lower_bound"):
-    """The base-2 log decay per channel as the preparation computes it; g is [..., H, K] (fp32).
+    """The base-2 log decay per channel as gate.cuh computes it; g is [..., H, K] (fp32). A_log None: e^A_log = 1;
+    dt_bias None: 0.
     lower_bound: γ = sigmoid((g + dt_bias) · 2^(A_log·log2 e)) · (lower_bound · log2 e);
-    softplus: γ = −(2^(A_log·log2 e) · softplus(g + dt_bias)) · log2 e, unbounded below."""
+    softplus: γ = max(−(2^(A_log·log2 e) · softplus2(g + dt_bias)), −128), unbounded below but for that floor."""
+    H = g.shape[-2]
     log2e = _fp32(LOG2E, g.device)
-    exp_a = ar.exp2(A_log.float() * log2e)  # [H]
+    if A_log is None:
+        exp_a = torch.ones(H, dtype=torch.float32, device=g.device)
+    else:
+        exp_a = ar.exp2(A_log.float() * log2e)  # [H]
+    x = g if dt_bias is None else g + dt_bias.float().reshape(-1, HEAD_DIM)
     if kind == "softplus":
-        x = g + dt_bias.float().reshape(-1, HEAD_DIM)
-        return -(exp_a[:, None] * torch.nn.functional.softplus(x)) * log2e
+        gamma = -(exp_a[:, None] * ar.softplus2(x))
+        return torch.where(gamma < MIN_LOG2_DECAY, torch.full_like(gamma, MIN_LOG2_DECAY), gamma)
+    if kind != "lower_bound":
+        raise ValueError(f"gate_kind must be one of {GATE_KINDS}, got {kind=}")
     gate_scale = _fp32(lower_bound, g.device) * log2e
-    x = (g + dt_bias.float().reshape(-1, HEAD_DIM)) * exp_a[:, None]
-    return ar.sigmoid(x) * gate_scale
+    return ar.sigmoid(x * exp_a[:, None]) * gate_scale
 
 
-ANCHOR_BLOCK = 4  # rows per block of the anchored intra-chunk products
+def _beta(logit: torch.Tensor, ar: Arithmetic, beta_scale: float) -> torch.Tensor:
+    """β = beta_scale · sigmoid(logit) (gate.cuh, beta_of; the product by 1 or 2 is exact)."""
+    return ar.sigmoid(logit) * _fp32(beta_scale, logit.device)
+
+
+def _hi_lo_bound(lower_bound, gate_kind: str) -> float:
+    """The lower_bound the slow-decay rule (kda_plan.h, hi_lo_state_update) sees: 0 for the softplus gate, which
+    may decay as slowly as it likes (fwd passes the kernel lower_bound 0 then)."""
+    return 0.0 if gate_kind == "softplus" else lower_bound
+
+
+def _key_heads_expanded(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped value heads: q and k [.., H, K] repeated to the `heads` = G·H value heads (value head hv reads key
+    head hv // G, as the kernels do)."""
+    group = heads // q.shape[-2]
+    if group == 1:
+        return q, k
+    return q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
+
+
+ANCHOR_BLOCK = 4  # rows per block of the softplus gate's intra-chunk products
+
+
+def _diag_block_sums(k_hat: torch.Tensor, q_scaled: torch.Tensor, cum: torch.Tensor, ar: Arithmetic, b: int):
+    """Block b's pair sums (rows 4b .. 4b + 3): A [.., 4, 4] (i > j) and Mqk (i ≥ j), each
+    tree_sum_128((a_i · k̂_j) · 2^(cum_i − cum_j)), a = k̂ or q̃; zero elsewhere."""
+    rb = slice(b * ANCHOR_BLOCK, (b + 1) * ANCHOR_BLOCK)
+    cb, kb, qb = cum[..., rb, :], k_hat[..., rb, :], q_scaled[..., rb, :]
+    lower = torch.tril(torch.ones(ANCHOR_BLOCK, ANCHOR_BLOCK, dtype=torch.bool, device=cum.device))
+    diff = cb[..., :, None, :] - cb[..., None, :, :]  # [.., i, j, K]
+    coeff = ar.exp2(torch.where(lower[:, :, None], diff, torch.zeros_like(diff)))
+    kj = kb[..., None, :, :]
+    a = tree_sum_128((kb[..., :, None, :] * kj) * coeff)
+    m = tree_sum_128((qb[..., :, None, :] * kj) * coeff)
+    strict = torch.tril(lower, diagonal=-1)
+    return torch.where(strict, a, torch.zeros_like(a)), torch.where(lower, m, torch.zeros_like(m))
 
 
 def _anchored_products(k_hat: torch.Tensor, q_scaled: torch.Tensor, cum: torch.Tensor, ar: Arithmetic):
-    """A = Σ_c k̂_i k̂_j 2^(cum_i − cum_j) (i > j) and Mqk = Σ_c q̃_i k̂_j 2^(cum_i − cum_j) (i ≥ j) [.., 16, 16]
-    without a factor 2^(−cum) that overflows once a chunk's cumulative decay passes −126 (softplus gate).
+    """A = Σ_c k̂_i k̂_j 2^(cum_i − cum_j) (i > j) and Mqk = Σ_c q̃_i k̂_j 2^(cum_i − cum_j) (i ≥ j) [.., 16, 16], as
+    prepare_chunk.cuh forms them for the softplus gate, without the factor 2^(−cum) that overflows once a chunk's
+    decay passes 2^−128.
 
-    The 16 rows form blocks of ANCHOR_BLOCK. Inside a block every pair's coefficient is formed directly (its exponent
-    cum_i − cum_j ≤ 0) and the sum over channels taken in fp32. Between a later block b and an earlier block a,
-    with e = cum at a's last row, 2^(cum_i − cum_j) = 2^(cum_i − e) · 2^(e − cum_j), both exponents ≤ 0: the
-    product of (k̂_i 2^(cum_i − e)) and (k̂_j 2^(e − cum_j)) as tensor-core operands. Nothing overflows; a factor
-    that underflows to 0 bounds the true coefficient below 2^−126."""
-    shape = (*cum.shape[:-2], CHUNK, CHUNK)
-    a_full = torch.zeros(shape, dtype=torch.float32, device=cum.device)
+    Pairs inside a block of 4 rows: direct coefficients, fp32 sums (_diag_block_sums). Pairs across blocks: the
+    coefficient split at an anchor row e, 2^(cum_i − cum_e)·2^(cum_e − cum_j), both exponents ≤ 0, as one
+    tensor-core product of the A-operand tiles Lk, Lq (row x: row x + 4 for x < 12, anchored at row 3 for x < 4 and
+    at row 7 else; row x for x ≥ 12, anchored at row 11) with the B-operand tile R (row y: row y anchored at 7 for
+    y < 8 and at 11 for y < 12; row y − 12 anchored at 3 for y ≥ 12)."""
+    device = cum.device
+    src_l = torch.tensor(list(range(4, 16)) + list(range(12, 16)), device=device)
+    anchor_l = torch.tensor([3] * 4 + [7] * 8 + [11] * 4, device=device)
+    src_r = torch.tensor(list(range(0, 12)) + list(range(0, 4)), device=device)
+    anchor_r = torch.tensor([7] * 8 + [11] * 4 + [3] * 4, device=device)
+    to_l = ar.exp2(cum[..., src_l, :] - cum[..., anchor_l, :])
+    lk = ar.operand(k_hat[..., src_l, :] * to_l)
+    lq = ar.operand(q_scaled[..., src_l, :] * to_l)
+    r_t = ar.operand(k_hat[..., src_r, :] * ar.exp2(cum[..., anchor_r, :] - cum[..., src_r, :])).transpose(-1, -2)
+    pa, pm = ar.matmul(lk, r_t, None), ar.matmul(lq, r_t, None)  # [.., x, y]
+
+    a_full = torch.zeros((*cum.shape[:-2], CHUNK, CHUNK), dtype=torch.float32, device=device)
     m_full = torch.zeros_like(a_full)
-    blocks = CHUNK // ANCHOR_BLOCK
-    tril = torch.tril(torch.ones(ANCHOR_BLOCK, ANCHOR_BLOCK, dtype=torch.bool, device=cum.device))
-    for b in range(blocks):
+    for full, prod in ((a_full, pa), (m_full, pm)):
+        full[..., 8:16, 0:8] = prod[..., 4:12, 0:8]  # anchor 7
+        full[..., 4:8, 0:4] = prod[..., 0:4, 12:16]  # anchor 3
+        full[..., 12:16, 8:12] = prod[..., 12:16, 8:12]  # anchor 11
+    for b in range(CHUNK // ANCHOR_BLOCK):
         rb = slice(b * ANCHOR_BLOCK, (b + 1) * ANCHOR_BLOCK)
-        cb = cum[..., rb, :]
-        diff = cb[..., :, None, :] - cb[..., None, :, :]  # [.., i, j, K]
-        coeff = ar.exp2(torch.where(tril[:, :, None], diff, torch.zeros_like(diff)))
-        coeff = torch.where(tril[:, :, None], coeff, torch.zeros_like(coeff))
-        kj = k_hat[..., rb, :][..., None, :, :]
-        a_full[..., rb, rb] = (k_hat[..., rb, :][..., :, None, :] * kj * coeff).sum(-1)
-        m_full[..., rb, rb] = (q_scaled[..., rb, :][..., :, None, :] * kj * coeff).sum(-1)
-        for a in range(b):
-            ra = slice(a * ANCHOR_BLOCK, (a + 1) * ANCHOR_BLOCK)
-            e = cum[..., a * ANCHOR_BLOCK + ANCHOR_BLOCK - 1, None, :]
-            to_i = ar.exp2(cb - e)
-            right = ar.operand(k_hat[..., ra, :] * ar.exp2(e - cum[..., ra, :])).transpose(-1, -2)
-            a_full[..., rb, ra] = ar.matmul(ar.operand(k_hat[..., rb, :] * to_i), right, None)
-            m_full[..., rb, ra] = ar.matmul(ar.operand(q_scaled[..., rb, :] * to_i), right, None)
+        a_full[..., rb, rb], m_full[..., rb, rb] = _diag_block_sums(k_hat, q_scaled, cum, ar, b)
     return a_full, m_full
 
 
@@ -191,7 +246,7 @@ def _gather_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
 
 
 def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: ChunkLayout, ar: Arithmetic,
-             gate_kind: str = "lower_bound"):
+             gate_kind: str = "lower_bound", beta_scale: float = 1.0):
     """Everything that does not touch the state, for all chunks and heads at once (prepare_chunk.cuh)."""
     device = q.device
     valid = layout.valid[:, None, :]  # [C, 1, 16]
@@ -203,7 +258,7 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
 
     gate = _gate_log2(gf.transpose(-2, -3), A_log, dt_bias, lower_bound, ar, gate_kind).transpose(-2, -3)
     gamma = torch.where(valid[..., None], gate, torch.zeros_like(gate))
-    beta_act = torch.where(valid, ar.sigmoid(bf), torch.zeros_like(bf))
+    beta_act = torch.where(valid, _beta(bf, ar, beta_scale), torch.zeros_like(bf))
 
     cum = torch.empty_like(gamma)
     acc = torch.zeros_like(gamma[..., 0, :])
@@ -239,7 +294,7 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     causal = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device))
     mqk = torch.where(causal, m_full, torch.zeros_like(m_full))
     return dict(kd=kd, qd=qd, kr=kr, inv=ar.operand(inv), mqk=ar.operand(mqk), decay=decay, beta=beta_act, v=vc,
-                hi_lo=ar.hi_lo_update(lower_bound))
+                hi_lo=ar.hi_lo_update(_hi_lo_bound(lower_bound, gate_kind)))
 
 
 def _run_units(prep: dict, states: torch.Tensor, first_chunk: list, counts: list, ar: Arithmetic,
@@ -305,14 +360,19 @@ def _compose(state: torch.Tensor, m: torch.Tensor, q: torch.Tensor, ar: Arithmet
 def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
                     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], ar: Arithmetic,
-                    segment_chunks: int = 0, gate_kind: str = "lower_bound") -> tuple[torch.Tensor, torch.Tensor]:
+                    segment_chunks: int = 0, gate_kind: str = "lower_bound",
+                    beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the chunked forward with arithmetic ``ar``; returns (out bf16 [B,T,H,V], final fp32 [N,H,V,K]).
+
+    ``gate_kind``: "lower_bound" or "softplus" (``lower_bound`` unused, may be None); ``beta_scale``: β's factor (2:
+    negative eigenvalues); q, k may have fewer heads than v (grouped value heads); A_log / dt_bias may be None.
 
     ``segment_chunks`` = L > 0 re-enacts the CUDA path's time split (docs/DESIGN.md, "The time split"): every
     sequence is cut into segments of L chunks; each segment but the last gets its affine map S_end = S_start·M + Q
     (M from the identity with v = 0, Q from zero), the maps are composed in order into every segment's start
     state, and every segment then runs from that state. Without it each sequence runs in one piece."""
-    batch, seqlen, heads, _ = q.shape
+    batch, seqlen, heads, _ = v.shape
+    q, k = _key_heads_expanded(q, k, heads)
     device = q.device
     layout = chunk_layout(cu_seqlens, batch, seqlen, device)
     n = layout.num_seqs
@@ -325,7 +385,7 @@ def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if num_chunks_total == 0:
         return out_flat.view(batch, seqlen, heads, HEAD_DIM), start
 
-    prep = _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout, ar, gate_kind)
+    prep = _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout, ar, gate_kind, beta_scale)
     out_chunks = torch.empty(num_chunks_total, heads, CHUNK, HEAD_DIM, dtype=torch.bfloat16, device=device)
     offsets, counts = layout.chunk_offset, layout.num_chunks
     if segment_chunks <= 0:
@@ -407,25 +467,28 @@ def _forward_on(initial_state, final_state, state_indices, forward):
     return pools.run_pooled(forward, initial_state, final_state, state_indices)
 
 
-def _prepare_tokens(q, k, g, beta, scale, A_log, dt_bias, lower_bound, ar: Arithmetic):
+def _prepare_tokens(q, k, g, beta, scale, A_log, dt_bias, lower_bound, ar: Arithmetic, gate_kind: str = "lower_bound",
+                    beta_scale: float = 1.0):
     """The decode kernel's per-token values, every token at once (no token depends on another): k̂, q̃ = (q̂·scale)
     and α = 2^γ [.., H, K], β [.., H]."""
     kf, qf = k.float(), q.float()
     k_hat = kf * _inv_norm(kf)[..., None]
     q_t = (qf * _inv_norm(qf)[..., None]) * _fp32(scale, q.device)
-    alpha = ar.exp2(_gate_log2(g.float(), A_log, dt_bias, lower_bound, ar))
-    return k_hat, q_t, alpha, ar.sigmoid(beta.float())
+    alpha = ar.exp2(_gate_log2(g.float(), A_log, dt_bias, lower_bound, ar, gate_kind))
+    return k_hat, q_t, alpha, _beta(beta.float(), ar, beta_scale)
 
 
 def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
-                      ar: Optional[Arithmetic] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      ar: Optional[Arithmetic] = None, *, gate_kind: str = "lower_bound",
+                      beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel's token-by-token recurrence in fp32 (kda/csrc/decode.cu; docs/NUMERICS.md, "The decode
     kernel"): (out bf16 [B,T,H,V], final fp32 [N,H,V,K]). Per token and state row v, each op rounded once (no FMA):
     S[v,:] ⊙= α; r = v_t[v] − tree(S[v,:]·k̂); u = β·r; S[v,:] += u·k̂; o[v] = tree(S[v,:]·q̃); out = bf16(o), with
     ``tree_sum_128``'s order. ``ar``: the kernel's approximate exp2 / sigmoid (``decode_twin_forward``) or, by
     default, exact ones. All sequences advance in lockstep, one token per step."""
     ar = ar or fp32_arithmetic()
-    B, T, H, _ = q.shape
+    B, T, H, _ = v.shape
+    q, k = _key_heads_expanded(q, k, H)
     device = q.device
     bos, _, lengths = sequence_bounds(cu_seqlens, B, T)
     N = len(lengths)
@@ -439,7 +502,7 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
 
     flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
     k_hat, q_t, alpha, beta_act = _prepare_tokens(flat(q), flat(k), flat(g), flat(beta), scale, A_log, dt_bias,
-                                                  lower_bound, ar)  # fmt: skip
+                                                  lower_bound, ar, gate_kind, beta_scale)  # fmt: skip
     vf = flat(v).float()
     bos_d, lengths_d = bos.to(device), lengths.to(device)
     for step in range(int(lengths.max())):
@@ -460,7 +523,8 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
 
 
 def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None,
-                        cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        cu_seqlens=None, *, gate_kind: str = "lower_bound",
+                        beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel's exact arithmetic (CUDA tensors only): ``recurrent_forward`` with the kernel's
     ``ex2.approx`` and ``tanh.approx``-based sigmoid. (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
@@ -476,11 +540,12 @@ def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, in
     if q.device.type != "cuda":
         raise RuntimeError(f"decode_twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
     return recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
-                             kernel_arithmetic())
+                             kernel_arithmetic(), gate_kind=gate_kind, beta_scale=beta_scale)
 
 
 def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
-                 segment_chunks=None, decode=None, *, state_indices=None, final_state=None):
+                 segment_chunks=None, decode=None, *, state_indices=None, final_state=None,
+                 gate_kind: str = "lower_bound", beta_scale: float = 1.0):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
     ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode kernel
@@ -488,26 +553,29 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
     ``flash_kda.fwd`` would make for these inputs now (its plan, including a plan forced by
     ``flash_kda.testing.force_plan``). With ``state_indices`` [N], ``initial_state`` is a pool [P, H, V, K] and
     the second result is the fp32 pool ``fwd`` leaves: ``final_state`` (the pool before the call; default
-    ``initial_state``) with each named slot replaced."""
+    ``initial_state``) with each named slot replaced. ``gate_kind``, ``beta_scale``, grouped value heads and
+    A_log / dt_bias None as in ``chunked_forward``."""
     if q.device.type != "cuda":
         raise RuntimeError(f"twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
     if segment_chunks is None or decode is None:
-        run = planning.plan(q, cu_seqlens)
+        run = planning.plan(q, cu_seqlens, heads=v.shape[2], gate=gate_kind)
         segment_chunks = run.segment_chunks if segment_chunks is None else segment_chunks
         decode = run.decode if decode is None else decode
     if decode:
         return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_twin_forward(
-            q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens))
+            q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, gate_kind=gate_kind,
+            beta_scale=beta_scale))
     return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
-        segment_chunks,
+        segment_chunks, gate_kind, beta_scale,
     ))
 
 
 def cpu_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None, *,
-                state_indices=None, final_state=None):
+                state_indices=None, final_state=None, gate_kind: str = "lower_bound", beta_scale: float = 1.0):
     """The same chunked algorithm in fp32 on any device: (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]); with
     ``state_indices``, pools as in ``twin_forward``."""
     return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
-        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, fp32_arithmetic()
+        q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, fp32_arithmetic(), 0, gate_kind,
+        beta_scale,
     ))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import numbers
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
 import torch
 
 from flash_kda import _ext
-from flash_kda.validation import cu_seqlens_on_host
+from flash_kda.validation import GATE_CODES, cu_seqlens_on_host
 
 if TYPE_CHECKING:
     from flash_kda._C import Plan
@@ -66,25 +67,37 @@ def forced_plan() -> PlanOverrides:
     return _forced.get() or PlanOverrides()
 
 
-def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Plan:
+def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, heads: int | None = None,
+         gate: str = "lower_bound") -> Plan:
     """The plan ``fwd`` uses for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``) on q's device.
 
-    Host-only: shapes and the device's SM count, never tensor contents (so never a synchronisation)."""
-    return _plan_and_bytes(q, cu_seqlens)[0]
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | q | any | [B, T, H, ·] | the call's q (or v: its heads are the value heads) |
+    | cu_seqlens | int64 / int32 | [N + 1] | the call's sequence boundaries, or None |
+    | heads | int | — | the call's value heads HV (v.shape[2]); None: q.shape[2] (no grouped value heads) |
+    | gate | str | — | the call's ``gate`` ("lower_bound" or "softplus": the single pass runs the lower-bound gate only) |
+
+    The kernels run one program per value head, so with grouped value heads (v with HV = G·H heads) pass
+    ``heads=v.shape[2]`` (or pass v instead of q). Host-only: shapes and the device's SM count, never tensor
+    contents (so never a synchronisation)."""
+    return _plan_and_bytes(q, cu_seqlens, heads, gate)[0]
 
 
 def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                    state_indices: torch.Tensor | None = None) -> int:
+                    state_indices: torch.Tensor | None = None, *, heads: int | None = None,
+                    gate: str = "lower_bound") -> int:
     """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``,
-    ``state_indices``).
+    ``state_indices``); with grouped value heads, ``heads=v.shape[2]`` (the value heads HV; None: q.shape[2]), or
+    v in place of q, and with the softplus gate ``gate="softplus"``, as for ``plan``.
 
     Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
     a time split stores each segment's map, the overlap a ready flag per tail record, the single pass needs no
-    records at all, nor does the decode kernel), which depends on the device's SM count. A CPU ``cu_seqlens`` or ``state_indices`` with CUDA
-    ``q`` adds room for its device copy.
+    records at all, nor does the decode kernel), which depends on the device's SM count. A CPU ``cu_seqlens`` or
+    ``state_indices`` with CUDA ``q`` adds room for its device copy.
     """
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
-    kernel_bytes = _plan_and_bytes(q, cu_seqlens)[1]
+    kernel_bytes = _plan_and_bytes(q, cu_seqlens, heads, gate)[1]
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     indices_on_host = state_indices is not None and cu_seqlens_on_host(q, state_indices)
     return host_copies(kernel_bytes, N, cu_on_host, indices_on_host)[2]
@@ -117,24 +130,32 @@ def host_state_indices_bytes(num_seqs: int) -> int:
     return -(-8 * num_seqs // 16) * 16
 
 
-def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[Plan, int]:
-    """``plan(q, cu_seqlens)`` and the kernels' workspace bytes under it."""
+def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None, heads: int | None = None,
+                    gate: str = "lower_bound") -> tuple[Plan, int]:
+    """``plan(q, cu_seqlens, heads=heads, gate=gate)`` and the kernels' workspace bytes under it."""
+    if not isinstance(gate, str) or gate not in GATE_CODES:
+        raise ValueError(f"gate must be one of {list(GATE_CODES)}, got {gate=}")
     B, T, H = (int(d) for d in q.shape[:3])  # (int: symbolic sizes under torch.compile specialise here)
+    if heads is not None:
+        if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads < 0:
+            raise ValueError(f"heads must be None or the call's value heads (a non-negative int), got {heads=}")
+        H = int(heads)
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else B
     sm_count = _sm_count(q.device) if q.device.type == "cuda" else DEFAULT_SM_COUNT
-    return plan_for(B, T, H, N, cu_seqlens is not None, sm_count)
+    return plan_for(B, T, H, N, cu_seqlens is not None, sm_count, GATE_CODES[gate])
 
 
-def plan_for(B: int, T: int, H: int, N: int, varlen: bool, sm_count: int) -> tuple[Plan, int]:
-    """The plan and the kernels' workspace bytes for these shapes, cached (fwd has the shapes from its validation:
-    no tensor reads again, and a dict hit instead of extension calls on every call)."""
+def plan_for(B: int, T: int, H: int, N: int, varlen: bool, sm_count: int, gate: int = 0) -> tuple[Plan, int]:
+    """The plan and the kernels' workspace bytes for these shapes (H: the value heads) and gate code
+    (``validation.GATE_CODES``), cached (fwd has the shapes from its validation: no tensor reads again, and a dict
+    hit instead of extension calls on every call)."""
     overrides = _forced.get()
-    key = (B, T, H, N, varlen, sm_count, overrides)
+    key = (B, T, H, N, varlen, sm_count, gate, overrides)
     cached = _plans.get(key)
     if cached is not None:
         return cached
     C = _ext.load()
-    run = C.choose_plan(B * T, T, N, H, varlen, sm_count, **(overrides._asdict() if overrides else {}))
+    run = C.choose_plan(B * T, T, N, H, varlen, sm_count, gate=gate, **(overrides._asdict() if overrides else {}))
     tail_items = C.overlap_tail_items(T, N, H, run.lead_chunks)
     result = run, int(C.workspace_bytes(B * T, N, H, run.segment_chunks, run.single_pass, tail_items,
                                         run.longest_first, run.decode))

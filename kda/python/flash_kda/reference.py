@@ -7,9 +7,14 @@ Two forms of the same function:
 
 Both are vectorised over heads and sequences: sequences are laid side by side and padded to a common length
 with "inert" tokens (k̂ = q̂ = v = 0, β = 0, decay 1), which leave the state unchanged and whose outputs are
-dropped. Both return ``(out, final_state)`` in float64: out [B, T, H, V], final_state [N, H, V, K]. With
+dropped. Both return ``(out, final_state)`` in float64: out [B, T, HV, V], final_state [N, HV, V, K]. With
 ``state_indices`` both take pools (``flash_kda.pools``): the initial states of the sequences' slots, and the final
 pool that ``flash_kda.fwd`` leaves (the slots no sequence names unchanged).
+
+Both take ``flash_kda.fwd``'s options: the gate's activation (``gate_kind``, see ``gate``; A_log None means
+exp(A_log) = 1, dt_bias None means 0), β's scale (``beta_scale``: 2 is fwd's ``allow_neg_eigval``) and grouped
+value heads (q, k on H key heads, v, g, beta and the states on HV = G·H value heads; value head hv reads key head
+hv // G, i.e. q and k expanded by ``repeat_interleave(G, dim=-2)``).
 """
 
 from __future__ import annotations
@@ -38,39 +43,44 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 GATES = ("lower_bound", "softplus")
 
 
-def gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+def gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
          kind: str = "lower_bound") -> torch.Tensor:
     """Natural-log decay per channel, float64, g [..., H, K]:
     lower_bound: λ = lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]));
-    softplus: λ = −exp(A_log[h]) · softplus(g + dt_bias[h]) (unbounded below; lower_bound unused)."""
+    softplus: λ = −exp(A_log[h]) · softplus(g + dt_bias[h]) (unbounded below; lower_bound unused, may be None).
+    A_log None: exp(A_log[h]) = 1; dt_bias None: 0."""
+    if kind not in GATES:
+        raise ValueError(f"gate kind must be one of {GATES}, got {kind=}")
     H, K = g.shape[-2:]
-    a = torch.exp(A_log.to(_F64)).reshape(H, 1)
-    x = g.to(_F64) + dt_bias.to(_F64).reshape(H, K)
+    a = 1.0 if A_log is None else torch.exp(A_log.to(_F64)).reshape(H, 1)
+    x = g.to(_F64) if dt_bias is None else g.to(_F64) + dt_bias.to(_F64).reshape(H, K)
     if kind == "softplus":
         return -a * torch.nn.functional.softplus(x)
-    if kind != "lower_bound":
-        raise ValueError(f"gate kind must be one of {GATES}, got {kind=}")
+    if lower_bound is None:
+        raise ValueError("the lower_bound gate needs a lower_bound, got lower_bound=None")
     return lower_bound * torch.sigmoid(a * x)
 
 
 @dataclass
 class _Problem:
-    """The inputs flattened to tokens [B*T, H, D] plus the sequence layout."""
+    """The inputs flattened to tokens [B*T, H, D] plus the sequence layout (H: the value heads; q and k
+    expanded to them)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
     scale: float
-    lower_bound: float
+    lower_bound: float | None
     shape: tuple[int, int, int, int, int]  # B, T, H, K, V
     starts: list[int]  # first token of each sequence in the flattened token axis
     lengths: list[int]
     state: torch.Tensor  # float64 [N, H, V, K]
     gate_kind: str = "lower_bound"
+    beta_scale: float = 1.0
 
     @property
     def device(self) -> torch.device:
@@ -92,7 +102,7 @@ class _Problem:
             "k": _masked(l2_normalize(self.k[idx]), m),
             "v": _masked(self.v[idx].to(_F64), m),
             "lam": _masked(gate(self.g[idx], self.A_log, self.dt_bias, self.lower_bound, self.gate_kind), m),
-            "beta": _masked(torch.sigmoid(self.beta[idx].to(_F64)), m),
+            "beta": _masked(self.beta_scale * torch.sigmoid(self.beta[idx].to(_F64)), m),
         }
 
     def scatter(self, out: torch.Tensor, t0: int, t1: int, o: torch.Tensor) -> None:
@@ -109,9 +119,15 @@ def _masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
-             gate_kind: str = "lower_bound") -> _Problem:
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+             gate_kind: str = "lower_bound", beta_scale: float = 1.0) -> _Problem:
+    B, T, H_key, K = q.shape
+    H, V = v.shape[-2:]  # the value heads
+    grouped = H >= H_key and H % H_key == 0 if H_key else H == 0  # HV = G·H with G >= 1
+    if k.shape != q.shape or not grouped:
+        raise ValueError(f"k must have q's shape and v's heads must be a multiple of q's, got {q.shape=}, "
+                         f"{k.shape=}, {v.shape=}")
+    if H != H_key:  # grouped value heads: value head h reads key head h // G
+        q, k = q.repeat_interleave(H // H_key, dim=-2), k.repeat_interleave(H // H_key, dim=-2)
     if cu_seqlens is None:
         starts, lengths = [b * T for b in range(B)], [T] * B
     else:
@@ -130,43 +146,49 @@ def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state
     flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
     return _Problem(
         q=flat(q), k=flat(k), v=flat(v), g=flat(g), beta=flat(beta), A_log=A_log, dt_bias=dt_bias,
-        scale=float(scale), lower_bound=float(lower_bound), shape=(B, T, H, K, V), starts=starts,
-        lengths=lengths, state=state, gate_kind=gate_kind,
+        scale=float(scale), lower_bound=None if lower_bound is None else float(lower_bound), shape=(B, T, H, K, V),
+        starts=starts, lengths=lengths, state=state, gate_kind=gate_kind, beta_scale=float(beta_scale),
     )  # fmt: skip
 
 
 def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+                   scale: float, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
                    initial_state: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, *, state_indices: torch.Tensor | None = None,
-                   final_state: torch.Tensor | None = None,
-                   gate_kind: str = "lower_bound") -> tuple[torch.Tensor, torch.Tensor]:
+                   final_state: torch.Tensor | None = None, gate_kind: str = "lower_bound",
+                   beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The KDA recurrence of docs/SPEC.md §1 in float64, one token at a time (all sequences and heads at once).
-    ``gate_kind``: "lower_bound" or "softplus" (``gate``).
 
-    For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t).
+    For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t), with
+    α_t = exp(λ_t) (``gate``) and β_t = beta_scale · sigmoid(beta_t).
 
     | arg | dtype | shape | meaning |
     |---|---|---|---|
-    | q, k, g | any float | [B, T, H, K] | queries, keys, raw gate |
-    | v | any float | [B, T, H, V] | values |
-    | beta | any float | [B, T, H] | beta logits |
-    | scale, lower_bound | float | — | output scale; gate lower bound |
-    | A_log | any float | [H] | log-gate parameter |
-    | dt_bias | any float | [H, K] or [H*K] | gate bias |
-    | initial_state | None / any float | [N, H, V, K] | initial state (None: zeros) |
+    | q, k | any float | [B, T, H, K] | queries, keys on the H key heads |
+    | g | any float | [B, T, HV, K] | raw gate, on the HV = G·H value heads (value head hv reads key head hv // G) |
+    | v | any float | [B, T, HV, V] | values |
+    | beta | any float | [B, T, HV] | beta logits |
+    | scale | float | — | output scale |
+    | lower_bound | float / None | — | the lower_bound gate's bound; unused by the softplus gate (may be None) |
+    | A_log | None / any float | [HV] | log-gate parameter (None: exp(A_log) = 1) |
+    | dt_bias | None / any float | [HV, K] or [HV*K] | gate bias (None: 0) |
+    | initial_state | None / any float | [N, HV, V, K] | initial state (None: zeros) |
     | cu_seqlens | int | [N + 1] | optional sequence boundaries (B = 1); validated (synchronises) |
     | state_indices | int | [N] | optional pool slot of each sequence (negative: none); the states are pools |
-    | final_state | None / any float | [P, H, V, K] | with state_indices: the pool before the call (None: initial_state) |
+    | final_state | None / any float | [P, HV, V, K] | with state_indices: the pool before the call (None: initial_state) |
+    | gate_kind | str | — | "lower_bound" or "softplus" (``gate``) |
+    | beta_scale | float | — | β's factor: 1, or 2 for ``flash_kda.fwd``'s ``allow_neg_eigval`` |
 
-    Returns (out float64 [B, T, H, V], final_state float64 [N, H, V, K]) on the inputs' device; with
-    ``state_indices``, the final pool float64 [P, H, V, K] ``flash_kda.fwd`` leaves.
+    Returns (out float64 [B, T, HV, V], final_state float64 [N, HV, V, K]) on the inputs' device; with
+    ``state_indices``, the final pool float64 [P, HV, V, K] ``flash_kda.fwd`` leaves.
     """
     if state_indices is not None:
         return pools.run_pooled(
-            lambda initial: reference_loop(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens),
+            lambda initial: reference_loop(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens,
+                                           gate_kind=gate_kind, beta_scale=beta_scale),
             initial_state, final_state, state_indices)
-    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, gate_kind)
+    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, gate_kind,
+                 beta_scale)
     B, T, H, K, V = p.shape
     out = torch.zeros(B * T, H, V, dtype=_F64, device=p.device)
     S = p.state
@@ -186,35 +208,69 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return out.reshape(B, T, H, V), S
 
 
+_SAFE_DECAY = 600.0  # a chunk's decay e^Γ down to e^-600 keeps e^{±G} normal in float64 (limit e^±708)
+_ANCHOR_BLOCK = 4  # rows of the blocks of _anchored_products
+
+
+def _anchored_products(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor, exp) -> tuple[torch.Tensor, torch.Tensor]:
+    """A[i, j] = Σ_c k_i k_j e^(G_i − G_j) and M[i, j] = Σ_c q_i k_j e^(G_i − G_j) for j <= i (0 above), k, q, G
+    [..., C, K] float64, without a factor e^−G (which overflows once a chunk decays past e^−708): every exponent
+    is G_i − G_j <= 0 (G falls along the chunk). Pairs inside a block of rows: the coefficients themselves; pairs
+    across blocks: split at an anchor row e (the last row of j's block), e^(G_i − G_e)·e^(G_e − G_j)."""
+    C = G.shape[-2]
+    A = G.new_zeros(*G.shape[:-1], C)
+    M = torch.zeros_like(A)
+    for j0 in range(0, C, _ANCHOR_BLOCK):
+        j1 = min(C, j0 + _ANCHOR_BLOCK)
+        tri = torch.ones(j1 - j0, j1 - j0, dtype=torch.bool, device=G.device).tril().unsqueeze(-1)
+        Gb = G[..., j0:j1, :]
+        E = exp(torch.where(tri, Gb.unsqueeze(-2) - Gb.unsqueeze(-3), -math.inf))  # [..., i, j, K]
+        kb = k[..., j0:j1, :]
+        A[..., j0:j1, j0:j1] = torch.einsum("...ik,...jk,...ijk->...ij", kb, kb, E)
+        M[..., j0:j1, j0:j1] = torch.einsum("...ik,...jk,...ijk->...ij", q[..., j0:j1, :], kb, E)
+        if j1 < C:
+            anchor = G[..., j1 - 1 : j1, :]
+            left = exp(G[..., j1:, :] - anchor)
+            right = (kb * exp(anchor - Gb)).transpose(-1, -2)
+            A[..., j1:, j0:j1] = (k[..., j1:, :] * left) @ right
+            M[..., j1:, j0:j1] = (q[..., j1:, :] * left) @ right
+    return A, M
+
+
 def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
-                      initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
-                      chunk: int = 64, base2: bool = False, state_indices: torch.Tensor | None = None,
-                      final_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                      lower_bound: float | None, initial_state: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None, *, chunk: int = 64, base2: bool = False,
+                      state_indices: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
+                      gate_kind: str = "lower_bound", beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The same function as ``reference_loop``, by the chunked algebra of docs/SPEC.md §2 in float64.
 
     Per chunk of C tokens with G = cumsum of the gates inside the chunk and Γ its last row:
     Kd = k̂⊙e^G, Qd = scale·q̂⊙e^G, Ki = k̂⊙e^-G, Kr = Ki⊙e^Γ, A = β·strict_lower(Kd Kiᵀ),
     M = lower_incl_diag(Qd Kiᵀ), U = (I + A)⁻¹ (β⊙(V − Kd Sᵀ)), O = Qd Sᵀ + M U, S ← S⊙e^Γ + Uᵀ Kr.
     Everything but the S recurrence is computed for a block of chunks at once; only the chunk loop is sequential.
+    Where a chunk decays past e^-600 (the softplus gate is unbounded below), e^-G would overflow: that block forms
+    Kr = k̂⊙e^(Γ−G) and A, M from pairwise coefficients e^(G_i − G_j) <= 1 instead (``_anchored_products``).
 
-    Arguments as ``reference_loop`` (``state_indices`` and ``final_state`` too), plus:
+    Arguments as ``reference_loop`` (``state_indices``, ``final_state``, ``gate_kind``, ``beta_scale`` too), plus:
 
     | arg | type | meaning |
     |---|---|---|
-    | chunk | int | C, tokens per chunk, 1..128 (e^{±G} must stay inside float64: |lower_bound|·C < ~700) |
+    | chunk | int | C, tokens per chunk, 1..128 |
     | base2 | bool | compute the gates in base 2 (γ = λ·log2 e, 2^G) as the kernel does; same result |
 
-    Returns (out float64 [B, T, H, V], final_state float64 [N, H, V, K]) on the inputs' device.
+    Returns (out float64 [B, T, HV, V], final_state float64 [N, HV, V, K]) on the inputs' device.
     """
     if not 1 <= chunk <= 128:
         raise ValueError(f"chunk must be in [1, 128] (e^{{±G}} must not overflow float64), got {chunk=}")
     if state_indices is not None:
         return pools.run_pooled(
             lambda initial: reference_chunked(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial,
-                                              cu_seqlens, chunk=chunk, base2=base2),
+                                              cu_seqlens, chunk=chunk, base2=base2, gate_kind=gate_kind,
+                                              beta_scale=beta_scale),
             initial_state, final_state, state_indices)
-    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
+    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, gate_kind,
+                 beta_scale)
     B, T, H, K, V = p.shape
     N = len(p.lengths)
     C = chunk
@@ -235,11 +291,17 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         Gam = G[..., -1, :]  # [N, H, nc, K]
         Kd = x["k"] * exp(G)
         Qd = p.scale * x["q"] * exp(G)
-        Ki = x["k"] * exp(-G)
-        Kr = Ki * exp(Gam).unsqueeze(-2)
         beta_ = x["beta"].unsqueeze(-1)  # [N, H, nc, C, 1]
-        A = beta_ * torch.where(strict, Kd @ Ki.transpose(-1, -2), 0.0)
-        M = torch.where(lower, Qd @ Ki.transpose(-1, -2), 0.0)
+        # (one host read per block of chunks: on a GPU a synchronisation, as the reference may)
+        if Gam.numel() == 0 or float(Gam.min()) * (math.log(2.0) if base2 else 1.0) >= -_SAFE_DECAY:
+            Ki = x["k"] * exp(-G)
+            Kr = Ki * exp(Gam).unsqueeze(-2)
+            A = beta_ * torch.where(strict, Kd @ Ki.transpose(-1, -2), 0.0)
+            M = torch.where(lower, Qd @ Ki.transpose(-1, -2), 0.0)
+        else:  # a chunk decays past e^-600 (the softplus gate is unbounded): e^-G would overflow
+            Kr = x["k"] * exp(Gam.unsqueeze(-2) - G)
+            A, M = _anchored_products(x["k"], p.scale * x["q"], G, exp)
+            A = beta_ * torch.where(strict, A, 0.0)
         INV = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
         decay = exp(Gam).unsqueeze(-2)  # [N, H, nc, 1, K]
         O = torch.empty(N, H, nc, C, V, dtype=_F64, device=p.device)

@@ -16,13 +16,16 @@ import torch
 
 __all__ = ["validate", "well_formed", "check_cu_seqlens", "check_state_indices", "check_arch", "device_capability",
            "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM", "LOWER_BOUND_RANGE",
-           "PARAM_TYPES", "CHECK_CU_SEQLENS_ENV"]
+           "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
 
 HEAD_DIM = 128  # K = V = 128: the only head size the kernel is built for.
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # the kernel's chunk size keeps 2^{±G} in range only for lower_bound >= -5.
 REQUIRED_CAPABILITY = (9, 0)  # the kernel is compiled for sm_90a, which runs on compute capability 9.0 only.
 STATE_DTYPES = (torch.bfloat16, torch.float32)  # initial and final state each, independently
 PARAM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # A_log, dt_bias -> kda::ParamType
+# The gate's activation -> its code in the extension (kda::GateKind): "lower_bound" is
+# λ = lower_bound·sigmoid(exp(A_log)·(g + dt_bias)), "softplus" λ = −exp(A_log)·softplus(g + dt_bias) (fla's default).
+GATE_CODES = {"lower_bound": 0, "softplus": 1}
 CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
 STATE_INDEX_DTYPES = (torch.int64, torch.int32)
 HOST_INDEX_ARGS = ("cu_seqlens", "state_indices")  # may be on the CPU beside CUDA tensors (validated there)
@@ -37,8 +40,11 @@ CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
 
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-              workspace, state_indices=None, *, concrete: bool) -> tuple[int, int, int, int]:
-    """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns (B, T, H, N).
+             workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, *,
+             concrete: bool) -> tuple[int, int, int, int, int]:
+    """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns
+    (B, T, HV, N, H): batch, tokens, value heads (the heads of v, out, the states and the kernels' grid),
+    sequences, and the key heads of q and k (HV = G·H, value head hv reads key head hv // G).
 
     ``concrete=False`` (fake tensors while tracing for torch.compile) skips what needs real storage or a real
     device: the compute capability, the alignment of data pointers and the contents of ``cu_seqlens``. The
@@ -46,7 +52,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     """
     if concrete:
         dims = well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                            cu_seqlens, workspace, state_indices)
+                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval)
         if dims is not None:
             return dims
     # Something is off (or unusual, e.g. an int scale): the checks below, in order, name the first problem.
@@ -59,7 +65,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     for name, t in given.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t)=}")
-    for name in ("q", "k", "v", "g", "beta", "out", "A_log", "dt_bias"):
+    for name in ("q", "k", "v", "g", "beta", "out"):
         if name not in given:
             raise TypeError(f"{name} is required, got {name}=None")
 
@@ -74,8 +80,8 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         if tensors[name].dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bfloat16, got {name}.dtype={tensors[name].dtype}")
     for name in ("A_log", "dt_bias"):
-        if tensors[name].dtype not in PARAM_TYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={tensors[name].dtype}")
+        if name in given and given[name].dtype not in PARAM_TYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={given[name].dtype}")
     for name in ("initial_state", "final_state"):
         if name in given and given[name].dtype not in STATE_DTYPES:
             raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={given[name].dtype}")
@@ -117,26 +123,36 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
                     f"{name}.data_ptr() % {ALIGNMENT} = {t.data_ptr() % ALIGNMENT} (a view with a storage offset?)"
                 )
 
-    # --- shape
+    # --- shape: q, k on the key heads H; v, g, out, beta, A_log, dt_bias and the states on the value heads HV.
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got {q.shape=}")
     B, T, H, K = q.shape
     if K != HEAD_DIM:
         raise NotImplementedError(f"flash_kda supports head dim K = {HEAD_DIM} only, got K={K} from {q.shape=}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have shape {list(q.shape)} (q's shape), got k.shape={tuple(k.shape)}")
     if v.dim() != 4:
-        raise ValueError(f"v must be [B, T, H, V], got {v.shape=}")
+        raise ValueError(f"v must be [B, T, HV, V], got {v.shape=}")
     V = v.shape[-1]
     if V != HEAD_DIM:
         raise NotImplementedError(f"flash_kda supports head dim V = {HEAD_DIM} only, got V={V} from {v.shape=}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must have shape [B, T, HV, V] = [{B}, {T}, HV, {V}] (B, T from {q.shape=}), got "
+                         f"v.shape={tuple(v.shape)}")
+    HV = v.shape[2]
+    if HV < H or (HV % H if H else HV):
+        raise ValueError(f"v's heads HV must be a multiple G >= 1 of q's heads H (grouped value heads: value head "
+                         f"hv reads key head hv // G), got HV={HV} from {v.shape=} and H={H} from {q.shape=}")
     expected_shapes = {
-        "k": (B, T, H, K), "g": (B, T, H, K), "v": (B, T, H, V), "out": (B, T, H, V), "beta": (B, T, H),
-        "A_log": (H,),
+        "g": (B, T, HV, K), "out": (B, T, HV, V), "beta": (B, T, HV), "A_log": (HV,),
     }  # fmt: skip
     for name, shape in expected_shapes.items():
-        if tensors[name].shape != shape:  # torch.Size is a tuple
-            raise ValueError(f"{name} must have shape {list(shape)} (from {q.shape=}), got {name}.shape={tuple(tensors[name].shape)}")
-    if tuple(dt_bias.shape) not in ((H, K), (H * K,)):
-        raise ValueError(f"dt_bias must have shape [{H}, {K}] (or flat [{H * K}]), got {dt_bias.shape=}")
+        if name in given and tensors[name].shape != shape:  # torch.Size is a tuple
+            raise ValueError(f"{name} must have shape {list(shape)} (from {q.shape=} and {v.shape=}), got "
+                             f"{name}.shape={tuple(tensors[name].shape)}")
+    if dt_bias is not None and tuple(dt_bias.shape) not in ((HV, K), (HV * K,)):
+        raise ValueError(f"dt_bias must have shape [{HV}, {K}] (or flat [{HV * K}]; one row per value head), got "
+                         f"{dt_bias.shape=}")
     if cu_seqlens is not None:
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
@@ -147,9 +163,9 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         N = B
     if state_indices is None:
         for name in ("initial_state", "final_state"):
-            if name in given and tuple(given[name].shape) != (N, H, V, K):
+            if name in given and tuple(given[name].shape) != (N, HV, V, K):
                 raise ValueError(
-                    f"{name} must have shape [N, H, V, K] = {[N, H, V, K]}, got {name}.shape={tuple(given[name].shape)}"
+                    f"{name} must have shape [N, H, V, K] = {[N, HV, V, K]}, got {name}.shape={tuple(given[name].shape)}"
                 )
     else:
         if state_indices.dim() != 1 or state_indices.shape[0] != N:
@@ -162,15 +178,15 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         P = given[pools[0]].shape[0] if given[pools[0]].dim() == 4 else 0
         for name in pools:
             shape = tuple(given[name].shape)
-            if len(shape) != 4 or shape[1:] != (H, V, K) or shape[0] < 1:
-                raise ValueError(f"{name} must be a pool [P, H, V, K] = [P, {H}, {V}, {K}] with P >= 1 (with "
+            if len(shape) != 4 or shape[1:] != (HV, V, K) or shape[0] < 1:
+                raise ValueError(f"{name} must be a pool [P, H, V, K] = [P, {HV}, {V}, {K}] with P >= 1 (with "
                                  f"state_indices), got {name}.shape={shape}")
             if shape[0] != P:
                 raise ValueError(f"initial_state and final_state must be pools of one size P, got "
                                  f"{initial_state.shape=} and {final_state.shape=}")
-    if on_cuda and H > MAX_HEADS:
-        raise ValueError(f"q has H = {H} heads but the CUDA kernel takes at most {MAX_HEADS} (heads are a launch "
-                         f"grid's y dimension), got {q.shape=}")
+    if on_cuda and HV > MAX_HEADS:
+        raise ValueError(f"v has H = {HV} heads but the CUDA kernel takes at most {MAX_HEADS} (value heads are a "
+                         f"launch grid's y dimension), got {v.shape=}")
 
     # --- aliasing: outputs may not overlap anything else (fake tensors have no memory to compare)
     if concrete:
@@ -187,25 +203,37 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
             )
 
     # --- scalar values
+    if not isinstance(gate, str) or gate not in GATE_CODES:
+        raise ValueError(f"gate must be one of {list(GATE_CODES)}, got {gate=}")
+    if allow_neg_eigval is not True and allow_neg_eigval is not False:
+        raise TypeError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval=} of {type(allow_neg_eigval)=}")
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite real number, got {scale=}")
     if abs(scale) >= FP32_OVERFLOW:
         raise ValueError(f"scale must be finite in float32 (|scale| < {FP32_OVERFLOW:.9g}; the kernel computes "
                          f"in float32), got {scale=}")
-    if (
-        not isinstance(lower_bound, numbers.Real)
-        or isinstance(lower_bound, bool)
-        or not math.isfinite(lower_bound)
-        or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]
+    if gate == "lower_bound":
+        if (
+            not isinstance(lower_bound, numbers.Real)
+            or isinstance(lower_bound, bool)
+            or not math.isfinite(lower_bound)
+            or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]
+        ):
+            raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got {lower_bound=} "
+                             "(gate='lower_bound'; only gate='softplus' takes None)")
+    elif lower_bound is not None and (
+        not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool) or not math.isfinite(lower_bound)
     ):
-        raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got {lower_bound=}")
+        raise ValueError(f"lower_bound must be None or a finite real number with gate='softplus' (which does not "
+                         f"use it), got {lower_bound=}")
 
-    return B, T, H, N
+    return B, T, HV, N, H
 
 
 def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                 workspace, state_indices=None) -> tuple[int, int, int, int] | None:
-    """(B, T, H, N) when every check of ``validate`` passes for a call of the usual kind, else None.
+                workspace, state_indices=None, gate="lower_bound",
+                allow_neg_eigval=False) -> tuple[int, int, int, int, int] | None:
+    """(B, T, HV, N, H) when every check of ``validate`` passes for a call of the usual kind, else None.
 
     Host time per call: the same conditions as ``validate`` in one tight pass (about a third of its cost), with
     no messages; whatever it does not accept (a bad argument, or an int ``scale``) goes through ``validate``'s
@@ -214,7 +242,7 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     """
     Tensor = torch.Tensor
     bf16 = torch.bfloat16
-    for t in (q, k, v, g, beta, out, A_log, dt_bias):
+    for t in (q, k, v, g, beta, out):
         if not isinstance(t, Tensor):
             return None
     device = q.device
@@ -228,16 +256,34 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     if len(shape) != 4 or shape[3] != HEAD_DIM:
         return None
     B, T, H, K = shape
-    for t in (q, k, v, g, out):
-        if t.dtype != bf16 or t.shape != shape or t.device != device or not t.is_contiguous():
+    vshape = v.shape  # [B, T, HV, V]: HV = H, or a multiple G·H (grouped value heads)
+    if vshape == shape:  # (the usual call: one loop)
+        HV = H
+        for t in (q, k, v, g, out):
+            if t.dtype != bf16 or t.shape != shape or t.device != device or not t.is_contiguous():
+                return None
+    else:
+        if len(vshape) != 4 or vshape[3] != HEAD_DIM or vshape[0] != B or vshape[1] != T:
             return None
-    if beta.dtype != bf16 or beta.shape != shape[:3] or beta.device != device or not beta.is_contiguous():
-        return None
-    for t in (A_log, dt_bias):
-        if t.dtype not in PARAM_TYPES or t.device != device or not t.is_contiguous():
+        HV = vshape[2]
+        if HV < H or (HV % H if H else HV):
             return None
-    if A_log.shape != (H,) or tuple(dt_bias.shape) not in ((H, K), (H * K,)):
+        for t in (q, k):
+            if t.dtype != bf16 or t.shape != shape or t.device != device or not t.is_contiguous():
+                return None
+        for t in (v, g, out):
+            if t.dtype != bf16 or t.shape != vshape or t.device != device or not t.is_contiguous():
+                return None
+    if beta.dtype != bf16 or beta.shape != vshape[:3] or beta.device != device or not beta.is_contiguous():
         return None
+    if A_log is not None:
+        if (not isinstance(A_log, Tensor) or A_log.dtype not in PARAM_TYPES or A_log.device != device
+                or not A_log.is_contiguous() or A_log.shape != (HV,)):
+            return None
+    if dt_bias is not None:
+        if (not isinstance(dt_bias, Tensor) or dt_bias.dtype not in PARAM_TYPES or dt_bias.device != device
+                or not dt_bias.is_contiguous() or tuple(dt_bias.shape) not in ((HV, K), (HV * K,))):
+            return None
     if cu_seqlens is None:
         N = B
     else:
@@ -261,20 +307,21 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     for t in (initial_state, final_state):
         if t is not None:
             if (not isinstance(t, Tensor) or t.dtype not in STATE_DTYPES or t.device != device
-                    or not t.is_contiguous() or t.shape != (P, H, HEAD_DIM, HEAD_DIM)):
+                    or not t.is_contiguous() or t.shape != (P, HV, HEAD_DIM, HEAD_DIM)):
                 return None
     if workspace is not None:
         if (not isinstance(workspace, Tensor) or workspace.dtype != torch.uint8 or workspace.device != device
                 or not workspace.is_contiguous()):
             return None
-    if on_cuda and H > MAX_HEADS:
+    if on_cuda and HV > MAX_HEADS:
         return None
     # Where each tensor lives (shapes are known by now, so byte sizes come from ints, not tensor calls): for the
-    # alignment check on CUDA and the overlap filter everywhere.
-    big = B * T * H * HEAD_DIM * 2
-    state_bytes = P * H * HEAD_DIM * HEAD_DIM
-    aligned = [(q.data_ptr(), big), (k.data_ptr(), big), (v.data_ptr(), big), (g.data_ptr(), big),
-               (out.data_ptr(), big), (dt_bias.data_ptr(), dt_bias.nbytes)]
+    # alignment check on CUDA and the overlap filter everywhere. An absent tensor is the empty span (0, 0).
+    big = B * T * HV * HEAD_DIM * 2
+    key_bytes = big if HV == H else B * T * H * HEAD_DIM * 2
+    state_bytes = P * HV * HEAD_DIM * HEAD_DIM
+    aligned = [(q.data_ptr(), key_bytes), (k.data_ptr(), key_bytes), (v.data_ptr(), big), (g.data_ptr(), big),
+               (out.data_ptr(), big), (0, 0) if dt_bias is None else (dt_bias.data_ptr(), dt_bias.nbytes)]
     for t in (initial_state, None if final_state is initial_state else final_state):  # (in place: once)
         if t is not None:
             aligned.append((t.data_ptr(), state_bytes * (4 if t.dtype == torch.float32 else 2)))
@@ -284,18 +331,27 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
         for start, _ in aligned:
             if start % ALIGNMENT:
                 return None
-    spans = [*aligned, (beta.data_ptr(), B * T * H * 2), (A_log.data_ptr(), A_log.nbytes)]
+    spans = [*aligned, (beta.data_ptr(), B * T * HV * 2),
+             (0, 0) if A_log is None else (A_log.data_ptr(), A_log.nbytes)]
     if cu_seqlens is not None and cu_seqlens.device == device:
         spans.append((cu_seqlens.data_ptr(), cu_seqlens.nbytes))
     if state_indices is not None and state_indices.device == device:
         spans.append((state_indices.data_ptr(), state_indices.nbytes))
     if _spans_overlap(spans):
         return None  # (validate's first_overlap tells the allowed from the refused)
+    if allow_neg_eigval is not False and allow_neg_eigval is not True:
+        return None
     if type(scale) is not float or not abs(scale) < FP32_OVERFLOW:  # (NaN fails the comparison)
         return None
-    if type(lower_bound) is not float or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]:
-        return None  # (NaN fails the range test; ±inf are outside it)
-    return B, T, H, N
+    if gate == "lower_bound":
+        if type(lower_bound) is not float or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]:
+            return None  # (NaN fails the range test; ±inf are outside it)
+    elif gate == "softplus":
+        if lower_bound is not None and (type(lower_bound) is not float or not abs(lower_bound) < math.inf):
+            return None  # (unused; None or finite)
+    else:
+        return None
+    return B, T, HV, N, H
 
 
 def _spans_overlap(spans: list) -> bool:

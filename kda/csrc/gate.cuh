@@ -1,0 +1,103 @@
+// The gate and β of one token, as the preparation (prepare_chunk.cuh) and the decode kernel (decode.cu) compute
+// them: the same instructions in both, re-enacted by the numerics twin (flash_kda/numerics.py, _gate_log2).
+// Decays are base-2 logs γ = log2 α per channel (kda_params.h, GateKind).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "kda/csrc/device_math.cuh"
+#include "kda/csrc/kda_params.h"
+
+namespace kda {
+
+// The softplus gate's floor on a token's γ. 2^−128 and every product that crosses such a token are below fp32's
+// normal range and flush to zero (ex2.approx.ftz), exactly as the unclamped value would; the floor only keeps a
+// chunk's running sum finite (16 tokens of −1e30 would be −inf, and −inf − −inf a NaN) and small enough that
+// differences of running sums keep their precision.
+constexpr float kMinLog2Decay = -128.0f;
+
+// A gate parameter (A_log, dt_bias) element widened to fp32, whatever the caller's dtype (exact).
+__device__ __forceinline__ float load_param(const void* base, ParamType type, int64_t i) {
+  switch (type) {
+    case ParamType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case ParamType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+// Four consecutive elements (i % 4 == 0: one 16- or 8-byte load).
+__device__ __forceinline__ void load_param4(const void* base, ParamType type, int64_t i, float (&x)[4]) {
+  if (type == ParamType::kFloat32) {
+    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else if (type == ParamType::kBFloat16) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + i);
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+    x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + i);
+    const __half2 lo = *reinterpret_cast<const __half2*>(&raw.x), hi = *reinterpret_cast<const __half2*>(&raw.y);
+    x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
+  }
+}
+
+// One head's gate constants for the channels ch0 .. ch0 + 3: e^A_log (1 without A_log), dt_bias (0 without it)
+// and, for the lower-bound gate, lower_bound · log2 e.
+struct HeadGate {
+  float exp_a;
+  float scale;
+  float bias[4];
+};
+__device__ __forceinline__ HeadGate head_gate(const FwdParams& p, int h, int ch0) {
+  HeadGate hg;
+  hg.exp_a = p.A_log != nullptr ? ex2_approx(__fmul_rn(load_param(p.A_log, p.A_log_type, h), kLog2e)) : 1.f;
+  hg.scale = __fmul_rn(p.lower_bound, kLog2e);
+  if (p.dt_bias != nullptr) {
+    load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, hg.bias);
+  } else {
+    hg.bias[0] = hg.bias[1] = hg.bias[2] = hg.bias[3] = 0.f;
+  }
+  return hg;
+}
+
+// log2(1 + e^x) = max(x, 0)·log2 e + log2(1 + 2^(−|x|·log2 e)): neither term overflows. Two MUFU instructions
+// (ex2.approx, lg2.approx: absolute errors near 2^−22, as small as the fp32 rounding of γ's running sum), where
+// expf and log1pf cost ten times the instructions: the preparation, which computes 2,048 of these per chunk, is
+// bound by its instruction issue.
+__device__ __forceinline__ float softplus_log2(float x) {
+  const float tail = lg2_approx(__fadd_rn(1.f, ex2_approx(-__fmul_rn(fabsf(x), kLog2e))));
+  return __fadd_rn(__fmul_rn(fmaxf(x, 0.f), kLog2e), tail);
+}
+
+// γ of channel c of a token whose gate input is g: lower bound: sigmoid((g + dt_bias)·e^A_log)·lower_bound·log2 e;
+// softplus: max(−(e^A_log · softplus_log2(g + dt_bias)), kMinLog2Decay) (a NaN stays NaN). The kernels are
+// instantiated per gate, so the lower-bound gate's code is what it was before the softplus gate existed.
+template <GateKind kGate>
+__device__ __forceinline__ float gate_log2(const HeadGate& hg, int c, float g) {
+  if constexpr (kGate == GateKind::kSoftplus) {
+    const float gamma = -__fmul_rn(hg.exp_a, softplus_log2(__fadd_rn(g, hg.bias[c])));
+    return gamma < kMinLog2Decay ? kMinLog2Decay : gamma;
+  } else {
+      return __fmul_rn(sigmoid_approx(__fmul_rn(__fadd_rn(g, hg.bias[c]), hg.exp_a)), hg.scale);
+  }
+}
+
+// Calls launch(std::integral_constant<GateKind, kind>{}) for the call's gate.
+template <typename Launch>
+void with_gate(GateKind kind, Launch launch) {
+  if (kind == GateKind::kSoftplus) return launch(std::integral_constant<GateKind, GateKind::kSoftplus>{});
+  return launch(std::integral_constant<GateKind, GateKind::kLowerBound>{});
+}
+
+// β of a token from its logit: beta_scale · sigmoid(logit) (beta_scale 1 or 2: both products are exact).
+__device__ __forceinline__ float beta_of(const FwdParams& p, float logit) {
+  return __fmul_rn(sigmoid_approx(logit), p.beta_scale);
+}
+
+// The key head (q and k) that value head h reads: h / G with G = heads / key_heads value heads per key head.
+__device__ __forceinline__ int key_head_of(const FwdParams& p, int h) { return h / (p.heads / p.key_heads); }
+
+}  // namespace kda
