@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flash_kda
+from fla_support import kda_layer_class
 
 pytestmark = pytest.mark.gpu
 
@@ -112,24 +113,6 @@ def test_fla_flash_kda_0_keeps_fla_on_its_own_kernels(fwd_calls, set_dispatch):
 # --- fla's KimiDeltaAttention layer, as inference code runs it ---------------------------------------------
 
 
-def _kda_layer_class():
-    """fla.layers.kda.KimiDeltaAttention without fla.layers/__init__.py, which imports every layer and with them
-    `transformers` (not a dependency of this test; the KDA layer itself needs only fla and einops)."""
-    import os  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    import types  # noqa: PLC0415
-
-    import fla  # noqa: PLC0415
-
-    if "fla.layers" not in sys.modules:
-        package = types.ModuleType("fla.layers")
-        package.__path__ = [os.path.join(os.path.dirname(fla.__file__), "layers")]
-        sys.modules["fla.layers"] = package
-    from fla.layers.kda import KimiDeltaAttention  # noqa: PLC0415
-
-    return KimiDeltaAttention
-
-
 def _layer_outputs(layer, x, *, dispatch: bool, set_dispatch, autocast: bool):
     set_dispatch(dispatch)
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -143,7 +126,7 @@ def test_kimi_delta_attention_layer_dispatches(precision, fwd_calls, set_dispatc
     fp32 layer hands bf16 activations with fp32 parameters: both reach flash_kda.fwd, and the layer's output
     stays close to fla's own Triton path (different kernels: not bit for bit)."""
     torch.manual_seed(0)
-    layer = _kda_layer_class()(hidden_size=512, head_dim=D, num_heads=4, mode="chunk", safe_gate=True,
+    layer = kda_layer_class()(hidden_size=512, head_dim=D, num_heads=4, mode="chunk", safe_gate=True,
                                lower_bound=LOWER_BOUND).cuda().eval()
     autocast = precision == "autocast"
     if not autocast:

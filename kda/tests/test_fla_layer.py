@@ -36,6 +36,7 @@ import torch
 
 import flash_kda
 import flash_kda.fla_backend
+from fla_support import fla_own, kda_layer_class  # noqa: F401 (fla_own: a fixture)
 from flash_kda import compare, reference
 from flash_kda.api import fwd as direct_fwd  # (not the counting wrapper the tests put on flash_kda.fwd)
 
@@ -79,18 +80,6 @@ def fwd_calls(monkeypatch) -> list:
 
     monkeypatch.setattr(flash_kda, "fwd", counting_fwd)
     return calls
-
-
-@pytest.fixture
-def fla_own(monkeypatch):
-    """Runs ``fn()`` with the backends switched off (FLA_FLASH_KDA=0): fla's own Triton kernels."""
-
-    def run(fn):
-        with monkeypatch.context() as m:
-            m.setenv("FLA_FLASH_KDA", "0")
-            return fn()
-
-    return run
 
 
 # --- chunk_kda -------------------------------------------------------------------------------------------------
@@ -242,22 +231,6 @@ def test_refused_chunk_calls_run_fla_kernels(fwd_calls):
 # --- fla's KimiDeltaAttention layer ------------------------------------------------------------------------------
 
 
-def _kda_layer_class():
-    """fla.layers.kda.KimiDeltaAttention without fla.layers/__init__.py, which imports every layer and with them
-    `transformers` (not a dependency of this test; the KDA layer itself needs only fla and einops)."""
-    import types  # noqa: PLC0415
-
-    import fla  # noqa: PLC0415
-
-    if "fla.layers" not in sys.modules:
-        package = types.ModuleType("fla.layers")
-        package.__path__ = [os.path.join(os.path.dirname(fla.__file__), "layers")]
-        sys.modules["fla.layers"] = package
-    from fla.layers.kda import KimiDeltaAttention  # noqa: PLC0415
-
-    return KimiDeltaAttention
-
-
 HIDDEN = 512
 LAYER_CONFIGS = {  # config: (KimiDeltaAttention keywords, the gate and allow_neg_eigval that reach flash_kda.fwd)
     "default": (dict(), ("softplus", False)),
@@ -270,7 +243,7 @@ LAYER_CONFIGS = {  # config: (KimiDeltaAttention keywords, the gate and allow_ne
 def _layer(config: str, precision: str):
     torch.manual_seed(0)
     kwargs, _ = LAYER_CONFIGS[config]
-    layer = _kda_layer_class()(hidden_size=HIDDEN, head_dim=D, num_heads=4, mode="chunk", **kwargs).cuda().eval()
+    layer = kda_layer_class()(hidden_size=HIDDEN, head_dim=D, num_heads=4, mode="chunk", **kwargs).cuda().eval()
     if precision == "bf16_layer":
         layer = layer.to(torch.bfloat16)
     return layer

@@ -36,6 +36,7 @@ import flash_kda
 import flash_kda.fla_backend
 from flash_kda import compare, reference
 from flash_kda.api import fwd as direct_fwd  # (not the counting wrapper the tests put on flash_kda.fwd)
+from fla_support import fla_own  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -80,18 +81,6 @@ def fwd_calls(monkeypatch) -> list:
 
     monkeypatch.setattr(flash_kda, "fwd", counting_fwd)
     return calls
-
-
-@pytest.fixture
-def fla_own(monkeypatch):
-    """Runs ``fn()`` with the backend switched off (FLA_FLASH_KDA=0): fla's own Triton kernel."""
-
-    def run(fn):
-        with monkeypatch.context() as m:
-            m.setenv("FLA_FLASH_KDA", "0")
-            return fn()
-
-    return run
 
 
 # The model options (fla's arguments): the softplus gate is lower_bound=None.
