@@ -247,6 +247,9 @@ inline Plan choose_two_stage_plan(int64_t total_tokens, int64_t seqlen, int64_t 
 struct OverlapModel {
   static constexpr double kStep = 0.78;      // µs per step of an 8-warp finishing CTA beside the tail
   static constexpr double kTailRate = 0.8;   // records per µs of one SM of the tail kernel
+  // The softplus gate's tail (anchored products, 8 warps): 0.45 records per µs and SM (T8192 H96: 8,736 tail
+  // records on 36 SMs in 536 µs against 305 for the lower-bound gate; H200, 2026-12-02).
+  static constexpr double kTailRateSoftplus = 0.45;
   static constexpr int kMarginDiv = 20;      // margin: chunks / kMarginDiv + 4
   static constexpr int kMinTailSms = 8;      // fewer free SMs: no overlap
   static constexpr int64_t kMinChunks = 64;  // shorter sequences: no overlap
@@ -254,10 +257,12 @@ struct OverlapModel {
 inline int overlap_tail_ctas(int64_t pairs, int sm_count) {
   return static_cast<int>(std::max<int64_t>(1, sm_count - pairs));
 }
-inline int overlap_lead_chunks(int64_t chunks, int64_t pairs, int sm_count) {
+inline int overlap_lead_chunks(int64_t chunks, int64_t pairs, int sm_count,
+                               GateKind gate = GateKind::kLowerBound) {
   using M = OverlapModel;
   const double demand = static_cast<double>(pairs) / M::kStep;
-  const double supply = M::kTailRate * overlap_tail_ctas(pairs, sm_count);
+  const double rate = gate == GateKind::kSoftplus ? M::kTailRateSoftplus : M::kTailRate;
+  const double supply = rate * overlap_tail_ctas(pairs, sm_count);
   const double behind = supply >= demand ? 0.0 : 1.0 - supply / demand;
   const int64_t lead = static_cast<int64_t>(behind * static_cast<double>(chunks) + 0.999) + chunks / M::kMarginDiv + 4;
   return static_cast<int>(std::min(lead, chunks));
@@ -320,7 +325,7 @@ inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
     } else {
       const bool overlap = !lead.has_value() && !forced.segment_chunks.has_value() && !varlen &&
                            plan.segment_chunks == 0 && overlap_pays(chunks, pairs, sm_count);
-      const int lead_chunks = overlap ? overlap_lead_chunks(chunks, pairs, sm_count) : -1;
+      const int lead_chunks = overlap ? overlap_lead_chunks(chunks, pairs, sm_count, gate) : -1;
       if (overlap && lead_chunks < chunks) {
         plan = Plan{1, 1, 0, false, lead_chunks, overlap_tail_ctas(pairs, sm_count)};
       } else {
