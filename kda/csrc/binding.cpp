@@ -55,17 +55,19 @@ class CurrentDevice {
 // arguments they would replace; a tuple of four groups costs less). Their layouts, in order:
 //   FwdTensors  (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, initial_is_fp32,
 //                final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices,
-//                state_indices_is_int64): device addresses as ints (0 for None), ParamType codes (0 fp32, 1 bf16,
-//                2 fp16) and bools;
+//                state_indices_is_int64, num_accepted_tokens, num_accepted_is_int64): device addresses as ints (0
+//                for None), ParamType codes (0 fp32, 1 bf16, 2 fp16) and bools;
 //   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale):
 //                ints, then floats, then the pools' slot count P (num_seqs without state_indices), q's and k's
-//                heads (GVA: heads is a multiple), the kda::GateKind code and β's scale (1 or 2);
+//                heads (GVA: heads is a multiple), the kda::GateKind code, β's scale (1 or 2) and L of per-token
+//                state_indices [N, L] (0: one index per sequence, or none);
 //   kda::Plan   the flash_kda.Plan object itself;
 //   FwdLaunch   (workspace, workspace_bytes, status, stream, device): ints (status 0: no error word).
 struct FwdTensors {
-  std::uintptr_t q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens, state_indices;
+  std::uintptr_t q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens, state_indices,
+      num_accepted;
   kda::ParamType A_log_type, dt_bias_type;
-  bool initial_is_fp32, final_is_fp32, cu_seqlens_is_int64, state_indices_is_int64;
+  bool initial_is_fp32, final_is_fp32, cu_seqlens_is_int64, state_indices_is_int64, num_accepted_is_int64;
 };
 struct FwdShape {
   int64_t batch, seqlen, num_seqs;
@@ -74,6 +76,7 @@ struct FwdShape {
   int64_t pool_slots;
   int key_heads, gate;
   float beta_scale;
+  int state_tokens;
 };
 struct FwdLaunch {
   std::uintptr_t workspace;
@@ -141,9 +144,9 @@ namespace pybind11::detail {
 template <>
 struct type_caster<FwdTensors> {
   PYBIND11_TYPE_CASTER(FwdTensors, const_name("tuple[int, int, int, int, int, int, int, int, int, int, int, bool, "
-                                               "int, bool, int, bool, int, bool]"));
+                                               "int, bool, int, bool, int, bool, int, bool]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 18);
+    TupleReader r(src, 20);
     FwdTensors& t = value;
     t.q = r.integer<std::uintptr_t>();
     t.k = r.integer<std::uintptr_t>();
@@ -163,15 +166,17 @@ struct type_caster<FwdTensors> {
     t.cu_seqlens_is_int64 = r.boolean();
     t.state_indices = r.integer<std::uintptr_t>();
     t.state_indices_is_int64 = r.boolean();
+    t.num_accepted = r.integer<std::uintptr_t>();
+    t.num_accepted_is_int64 = r.boolean();
     return r.ok();
   }
 };
 
 template <>
 struct type_caster<FwdShape> {
-  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float, int, int, int, float]"));
+  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float, int, int, int, float, int]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 10);
+    TupleReader r(src, 11);
     value.batch = r.integer<int64_t>();
     value.seqlen = r.integer<int64_t>();
     value.num_seqs = r.integer<int64_t>();
@@ -182,6 +187,7 @@ struct type_caster<FwdShape> {
     value.key_heads = r.integer<int>();
     value.gate = r.integer<int>();
     value.beta_scale = r.real();
+    value.state_tokens = r.integer<int>();
     return r.ok();
   }
 };
@@ -235,6 +241,9 @@ kda::FwdParams fwd_params(const FwdTensors& t, const FwdShape& shape, const kda:
   p.key_heads = shape.key_heads;
   p.gate = static_cast<kda::GateKind>(shape.gate);
   p.beta_scale = shape.beta_scale;
+  p.state_tokens = shape.state_tokens;
+  p.num_accepted = ptr<const void>(t.num_accepted);
+  p.num_accepted_is_int64 = t.num_accepted_is_int64;
   p.workspace = ptr<void>(launch.workspace);
   p.workspace_bytes = launch.workspace_bytes;
   p.status = ptr<unsigned long long>(launch.status);
@@ -365,13 +374,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("address"), py::arg("device"),
       "Waits for all work on `device`, then reads and resets its error word atomically; returns the value read "
       "(1 << 62: no malformed cu_seqlens or state_indices since the last take; below 1 << 40: the first bad "
-      "cu_seqlens index; else 1 << 40 plus the first sequence whose state index is past the pool).");
+      "cu_seqlens index; else 1 << 40 plus the first sequence whose state index is past the pool, or whose "
+      "num_accepted_tokens is outside [1, L]).");
   m.def("fwd", &fwd, py::arg("tensors"), py::arg("shape"), py::arg("plan"), py::arg("launch"),
         "Enqueues the KDA forward on CUDA device `device`'s stream `stream` under `plan` (a Plan from choose_plan). "
         "tensors = (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, "
         "initial_is_fp32, final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices, "
-        "state_indices_is_int64): device addresses (0 for None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; "
-        "shape = (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
+        "state_indices_is_int64, num_accepted_tokens, num_accepted_is_int64): device addresses (0 for None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; "
+        "shape = (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale, state_tokens); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
         "job: use flash_kda.fwd.");
   m.def(
       "choose_plan",

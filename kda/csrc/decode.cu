@@ -188,9 +188,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
     }
     if (++st == Ring::kStages) st = 0, parity ^= 1u;
 
-    for (int64_t t = b.bos; t < b.eos; ++t) {
+    // The per-token pass of a chunked plan stops after the tokens whose states it writes.
+    const int64_t end = p.states_only && b.eos - b.bos > p.state_tokens ? b.bos + p.state_tokens : b.eos;
+    for (int64_t t = b.bos; t < end; ++t) {
       const RawToken cur = next;
-      if (t + 1 < b.eos) next = load_token(p, t + 1, h, hk, ch0, row0 + my_row);  // in flight during this token
+      if (t + 1 < end) next = load_token(p, t + 1, h, hk, ch0, row0 + my_row);  // in flight during this token
 
       // The token's preparation: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale, α = 2^γ, β (gate.cuh).
       float kh[4], qt[4], alpha[4], gf[4];
@@ -226,12 +228,21 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
         part[i] = dot4(s[i], qt);
       }
       const float o = reduce_scatter_16(part, lane);
-      if ((lane & 1) == 0) {
+      if ((lane & 1) == 0 && !p.states_only) {
         static_cast<__nv_bfloat16*>(p.out)[(t * p.heads + h) * kHeadDim + row0 + my_row] = __float2bfloat16_rn(o);
+      }
+      // Per-token states: the state after this token into its slot (state_slots.cuh, token_slot).
+      if (p.state_tokens > 0 && p.final_state != nullptr) {
+        const int64_t ts = token_slot(p, it.n, t - b.bos);
+        if (ts >= 0) {
+          FinalT* dst = static_cast<FinalT*>(p.final_state) + item_offset(p, ts, it) + warp_row0 * kHeadDim + ch0;
+#pragma unroll
+          for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
+        }
       }
     }
 
-    if (p.final_state != nullptr && slot >= 0) {
+    if (p.final_state != nullptr && slot >= 0 && p.state_tokens == 0) {
       FinalT* dst = static_cast<FinalT*>(p.final_state) + item_offset(p, slot, it) + warp_row0 * kHeadDim + ch0;
 #pragma unroll
       for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);

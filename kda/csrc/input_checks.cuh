@@ -9,6 +9,7 @@
 
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_params.h"
+#include "kda/csrc/state_slots.cuh"
 #include "kda/csrc/status_word.h"  // kStatusStateIndexBase
 
 namespace kda {
@@ -24,9 +25,19 @@ __device__ __forceinline__ void check_call_inputs(const FwdParams& p, int64_t i)
     if (bad) atomicMin(p.status, static_cast<unsigned long long>(i));
   }
   if (p.state_indices != nullptr && i < p.num_seqs) {
-    const int64_t index = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[i]
-                                                   : static_cast<const int32_t*>(p.state_indices)[i];
-    if (index >= p.pool_slots) atomicMin(p.status, kStatusStateIndexBase + static_cast<unsigned long long>(i));
+    // Per-token states: the sequence's L slots, and its accepted count in [1, L].
+    const int64_t width = p.state_tokens > 0 ? p.state_tokens : 1;
+    bool bad = false;
+    for (int64_t t = 0; t < width; ++t) {
+      const int64_t index = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[i * width + t]
+                                                     : static_cast<const int32_t*>(p.state_indices)[i * width + t];
+      bad = bad || index >= p.pool_slots;
+    }
+    if (p.state_tokens > 0 && p.num_accepted != nullptr) {
+      const int64_t a = accepted_tokens(p, i);
+      bad = bad || a < 1 || a > p.state_tokens;
+    }
+    if (bad) atomicMin(p.status, kStatusStateIndexBase + static_cast<unsigned long long>(i));
   }
 }
 

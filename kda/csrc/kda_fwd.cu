@@ -16,22 +16,12 @@
 #include "kda/csrc/kda_plan.h"
 
 namespace kda {
+namespace {
 
-void fwd(const FwdParams& p, cudaStream_t stream) {
-  const std::string plan_problem = plan_error(plan_of(p), p.cu_seqlens != nullptr, p.num_seqs, p.gate);
-  if (!plan_problem.empty()) throw std::invalid_argument(plan_problem);
+// The chunked plans: the boundary check, then the single pass, the overlap or the two stages.
+void run_chunked(const FwdParams& p, cudaStream_t stream) {
   const bool overlap = p.lead_chunks >= 0;
   const int64_t tail_items = overlap_tail_items(p.seqlen, p.num_seqs, p.heads, p.lead_chunks);
-  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks, p.single_pass,
-                                        tail_items, p.longest_first, p.decode);
-  if (p.workspace_bytes < needed) {
-    throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
-                                " bytes, the call needs " + std::to_string(needed));
-  }
-  if (p.decode && p.num_seqs > 0 && p.heads > 0) {
-    launch_decode(p, stream);  // which runs the input checks itself
-    return;
-  }
   launch_boundary_check(p, stream);
   if (p.num_seqs == 0 || p.heads == 0) return;
   if (p.single_pass) {
@@ -63,6 +53,41 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
     launch_segment_compose(p, stream);
   }
   launch_recurrence(plain, stream);
+}
+
+}  // namespace
+
+void fwd(const FwdParams& p, cudaStream_t stream) {
+  const std::string plan_problem = plan_error(plan_of(p), p.cu_seqlens != nullptr, p.num_seqs, p.gate);
+  if (!plan_problem.empty()) throw std::invalid_argument(plan_problem);
+  const int64_t tail_items = overlap_tail_items(p.seqlen, p.num_seqs, p.heads, p.lead_chunks);
+  const size_t needed = workspace_bytes(p.total_tokens, p.num_seqs, p.heads, p.segment_chunks, p.single_pass,
+                                        tail_items, p.longest_first, p.decode);
+  if (p.workspace_bytes < needed) {
+    throw std::invalid_argument("flash_kda: workspace has " + std::to_string(p.workspace_bytes) +
+                                " bytes, the call needs " + std::to_string(needed));
+  }
+  if (p.decode && p.num_seqs > 0 && p.heads > 0) {
+    launch_decode(p, stream);  // which runs the input checks itself
+    return;
+  }
+  if (p.state_tokens > 0) {
+    // Per-token states under a chunked plan: the plan's kernels compute the output from each sequence's starting
+    // slot and write no state; then the per-token pass (the decode kernel over each sequence's first state_tokens
+    // tokens) reads the same starting slots and writes the states after those tokens. In that order, so that no
+    // starting slot is overwritten before both have read it (a token's slot may be a starting one: in place).
+    FwdParams chunked = p;
+    chunked.final_state = nullptr;
+    run_chunked(chunked, stream);
+    if (p.final_state != nullptr && p.num_seqs > 0 && p.heads > 0) {
+      FwdParams tokens = p;
+      tokens.states_only = true;
+      tokens.decode = true;
+      launch_decode(tokens, stream);
+    }
+    return;
+  }
+  run_chunked(p, stream);
 }
 
 }  // namespace kda

@@ -231,6 +231,15 @@ struct FwdParams {
   int key_heads;
   GateKind gate;
   float beta_scale;  // β = beta_scale · sigmoid(logit): 1, or 2 for negative eigenvalues
+  // Per-token states (state_slots.cuh): with state_tokens = L > 0, state_indices is [N, L]; the state after token
+  // t < L of sequence n goes to slot state_indices[n, t], and sequence n starts from slot state_indices[n, a - 1],
+  // a = num_accepted[n] (1 when null; outside [1, L]: zeros). No other final state is written.
+  int state_tokens;
+  const void* num_accepted;  // int32 or int64 [N] on the device, or null
+  bool num_accepted_is_int64;
+  // The per-token pass of a chunked plan (kda_fwd.cu): the decode kernel over each sequence's first state_tokens
+  // tokens, writing their states and no output.
+  bool states_only;
 };
 
 // Grid columns (grid.x) of the passes of a call, and so how a CTA column finds its work:

@@ -1,5 +1,7 @@
 // Where a sequence's state lives: entry n of the state tensors, or with pooled states (FwdParams::state_indices)
-// the pool slot state_indices[n]. Every kernel that reads or writes a state finds it through state_slot.
+// the pool slot state_indices[n]; with per-token states (state_tokens = L > 0) sequence n starts from slot
+// state_indices[n, a - 1] (a = num_accepted[n], or 1) and token t's state goes to state_indices[n, t]. Every
+// kernel that reads or writes a state finds it through state_slot or token_slot.
 #pragma once
 
 #include <cstdint>
@@ -11,11 +13,33 @@ namespace kda {
 
 // The state slot of sequence n, or -1 for "no state": start from zeros and write nothing. Negative indices are the
 // caller's padding rows; indices past the pool are refused the same way (and reported by the boundary check).
+__device__ __forceinline__ int64_t pool_index(const FwdParams& p, int64_t i) {
+  const int64_t slot = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[i]
+                                                : static_cast<const int32_t*>(p.state_indices)[i];
+  return slot >= 0 && slot < p.pool_slots ? slot : -1;
+}
+
+// The tokens accepted before sequence n's call (per-token states: it starts from the state after that many), or an
+// out-of-range value the caller passed (then the sequence starts from zeros).
+__device__ __forceinline__ int64_t accepted_tokens(const FwdParams& p, int64_t n) {
+  if (p.num_accepted == nullptr) return 1;
+  return p.num_accepted_is_int64 ? static_cast<const int64_t*>(p.num_accepted)[n]
+                                 : static_cast<const int32_t*>(p.num_accepted)[n];
+}
+
+// The slot sequence n starts from (and, without per-token states, ends in).
 __device__ __forceinline__ int64_t state_slot(const FwdParams& p, int64_t n) {
   if (p.state_indices == nullptr) return n;
-  const int64_t slot = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[n]
-                                                : static_cast<const int32_t*>(p.state_indices)[n];
-  return slot >= 0 && slot < p.pool_slots ? slot : -1;
+  if (p.state_tokens > 0) {
+    const int64_t a = accepted_tokens(p, n);
+    return a >= 1 && a <= p.state_tokens ? pool_index(p, n * p.state_tokens + a - 1) : -1;
+  }
+  return pool_index(p, n);
+}
+
+// The slot of the state after token t (t >= 0, counted from the sequence's start) of sequence n, or -1.
+__device__ __forceinline__ int64_t token_slot(const FwdParams& p, int64_t n, int64_t t) {
+  return t < p.state_tokens ? pool_index(p, n * p.state_tokens + t) : -1;
 }
 
 // Element offset of head h's state in slot `slot` (>= 0) of a state tensor [slots, H, V, K].

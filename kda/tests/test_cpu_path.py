@@ -370,3 +370,134 @@ def test_grouped_value_heads_with_pools_match_pooled_float64(options) -> None:
     untouched = torch.ones(5, dtype=torch.bool)
     untouched[x["state_indices"][x["state_indices"] >= 0]] = False
     assert torch.equal(x["final_state"][untouched], initial[untouched])
+
+
+# --- per-token states (speculative decoding: state_indices [N, L], num_accepted_tokens) --------------------------
+
+
+def token_inputs(*, L: int, P: int = 24, accepted="random", padding=(), index_dtype=torch.int64,
+                 accepted_dtype=torch.int64, initial_dtype=None, in_place=False, initial=True, **kwargs) -> dict:
+    """``option_inputs`` with pools of P slots and per-token state_indices [N, L] (distinct random slots, the
+    entries ``padding`` set to -1), num_accepted_tokens ``accepted`` ("random": each in [1, L]; None; or the
+    counts), the final pool NaN-poisoned (or the initial pool itself, ``in_place``)."""
+    x = option_inputs(pool=P, **kwargs)
+    gen = torch.Generator().manual_seed(kwargs.get("seed", 0) + 1)
+    N = x["state_indices"].shape[0]
+    indices = torch.randperm(P, generator=gen)[: N * L].view(N, L)
+    for n, t in padding:
+        indices[n, t] = -1
+    x["state_indices"] = indices.to(index_dtype)
+    if isinstance(accepted, str):
+        accepted = torch.randint(1, L + 1, (N,), generator=gen)
+    x["num_accepted_tokens"] = None if accepted is None else torch.as_tensor(accepted).to(accepted_dtype)
+    if initial_dtype is not None:
+        x["initial_state"] = x["initial_state"].to(initial_dtype)
+    if not initial:
+        x["initial_state"] = None
+    if in_place:
+        x["final_state"] = x["initial_state"]
+    return x
+
+
+def written_slots(x: dict) -> torch.Tensor:
+    """The pool slots a per-token call writes: state_indices[n, t] >= 0 for t < min(L, length of sequence n)."""
+    indices = x["state_indices"].to(torch.int64)
+    N, L = indices.shape
+    B, T = x["v"].shape[:2]
+    cu = x["cu_seqlens"]
+    lengths = torch.full((N,), T) if cu is None else cu[1:] - cu[:-1]
+    written = (torch.arange(L).view(1, L) < lengths.view(N, 1)) & (indices >= 0)
+    return indices[written]
+
+
+TOKEN_CASES = {
+    "fixed_L3": dict(L=3, B=2, T=6, accepted=None),
+    "accepted_in_place_int32": dict(L=4, B=3, T=4, in_place=True, index_dtype=torch.int32,
+                                    accepted_dtype=torch.int32),
+    "padding_bf16": dict(L=3, B=2, T=5, padding=((0, 0), (1, 1), (1, 2)), accepted=(1, 2), state=torch.bfloat16),
+    "shorter_than_L": dict(L=5, B=2, T=2, accepted=(4, 5)),
+    "varlen_empty_bf16_in_place": dict(L=3, seqlens=(3, 0, 1, 6), state=torch.bfloat16, in_place=True),
+    "bf16_initial_fp32_final": dict(L=2, B=3, T=3, initial_dtype=torch.bfloat16),
+    "final_pool_only": dict(L=3, B=2, T=4, initial=False, accepted=(2, 3)),
+    "gva_softplus_neg_eigval": dict(L=2, G=2, B=2, T=5, gate="softplus", lower_bound=None, allow_neg_eigval=True),
+    "L1": dict(L=1, B=3, T=7),
+    "chunked_T97": dict(L=4, B=1, T=97, accepted=(3,)),
+    "varlen_long": dict(L=2, seqlens=(40, 1, 0, 70), padding=((2, 0),)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(TOKEN_CASES))
+def test_per_token_states_match_the_token_loop(name: str) -> None:
+    """fwd with state_indices [N, L] (and num_accepted_tokens) against the float64 token loop with the same
+    arguments: out within the bf16 rounding floor, the written slots within the fp32 / bf16 bounds above, every
+    other slot with its bits (NaN poison, or its initial value in place), the inputs unchanged."""
+    x = token_inputs(**TOKEN_CASES[name])
+    before = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
+                                        "state_indices", "num_accepted_tokens") if x[n] is not None}
+    pool_before = x["final_state"].clone()
+    flash_kda.fwd(**x)
+    for n, saved in before.items():
+        if n == "initial_state" and x["final_state"] is x["initial_state"]:
+            continue  # it is final_state by design
+        assert torch.equal(x[n], saved) and x[n].dtype == saved.dtype, f"input {n} modified"
+
+    names = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "cu_seqlens", "state_indices",
+             "num_accepted_tokens")
+    ref_out, ref_pool = reference.reference_loop(
+        **{n: x[n] for n in names}, initial_state=before.get("initial_state"), final_state=pool_before,
+        gate_kind=x.get("gate", "lower_bound"), beta_scale=2.0 if x.get("allow_neg_eigval") else 1.0)
+    floor = compare.compare(ref_out.to(torch.bfloat16), ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
+    compare.compare(x["out"], ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"]).check(
+        rel_l2=FLOOR_FACTOR * floor.rel_l2, window_rel_l2=FLOOR_FACTOR * floor.window_rel_l2, name=f"{name} out")
+
+    slots = written_slots(x)
+    assert slots.numel(), "the case writes no slot"
+    got, want = x["final_state"][slots], ref_pool[slots]
+    if got.dtype == torch.float32:
+        compare.compare(got, want).check(rel_l2=FP32_STATE_REL_L2, name=f"{name} written fp32 slots")
+    else:
+        state_floor = compare.compare(want.to(torch.bfloat16), want).rel_l2
+        compare.compare(got, want).check(rel_l2=FLOOR_FACTOR * state_floor, name=f"{name} written bf16 slots")
+    untouched = torch.ones(x["final_state"].shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert matrix.same_bits(x["final_state"][untouched], pool_before[untouched]), "slots nothing writes changed"
+
+
+def test_per_token_start_slot_is_chosen_by_num_accepted_tokens() -> None:
+    """Sequence n starts from slot state_indices[n, a_n - 1]: the call equals the dense call on those slots' states
+    (zeros where the chosen entry is negative), out bit for bit; without num_accepted_tokens, column 0."""
+    from flash_kda import pools  # noqa: PLC0415
+
+    x = token_inputs(L=3, B=3, T=9, accepted=(3, 1, 2), padding=((2, 1),))
+    initial = x["initial_state"].clone()
+    for counts, columns in (((3, 1, 2), (2, 0, 1)), (None, (0, 0, 0))):
+        y = {**x, "out": torch.full_like(x["out"], float("nan")), "final_state": torch.full_like(x["final_state"],
+             float("nan")), "num_accepted_tokens": None if counts is None else torch.tensor(counts)}
+        flash_kda.fwd(**y)
+        starts = x["state_indices"][torch.arange(3), torch.tensor(columns)]
+        assert pools.start_slots(x["state_indices"], y["num_accepted_tokens"]).tolist() == starts.tolist()
+        dense = {**x, "out": torch.full_like(x["out"], float("nan")), "state_indices": None,
+                 "num_accepted_tokens": None, "initial_state": pools.gather(initial, starts), "final_state": None}
+        flash_kda.fwd(**dense)
+        compare.assert_bitwise_equal(y["out"], dense["out"], "out")
+
+
+def test_per_token_out_equals_the_one_slot_call() -> None:
+    """out does not depend on how states are written: [N, L] indices whose first column is the [N] call's slots
+    give its out bit for bit."""
+    x = token_inputs(L=4, B=3, T=21, accepted=None, padding=((1, 0),))
+    one_slot = {**x, "out": torch.full_like(x["out"], float("nan")), "state_indices": x["state_indices"][:, 0].clone(),
+                "num_accepted_tokens": None, "final_state": torch.full_like(x["final_state"], float("nan"))}
+    flash_kda.fwd(**x)
+    flash_kda.fwd(**one_slot)
+    compare.assert_bitwise_equal(x["out"], one_slot["out"], "out")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["two_pools", "in_place"])
+def test_per_token_call_without_tokens_writes_nothing(in_place) -> None:
+    """T = 0 (or only empty sequences): no token, so no state is written; every slot keeps its bits."""
+    for shape in (dict(B=2, T=0), dict(seqlens=(0, 0))):
+        x = token_inputs(L=2, in_place=in_place, state=torch.bfloat16, **shape)
+        pool = x["final_state"].clone()
+        flash_kda.fwd(**x)
+        assert matrix.same_bits(x["final_state"], pool)

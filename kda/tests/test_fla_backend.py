@@ -100,6 +100,13 @@ ACCEPTED = {
     "gva_4_softplus_varlen_bf16_state": dict(G=4, seqlens=(3, 0, 5), lower_bound=None, state=torch.bfloat16),
     "gva_pool": dict(G=2, B=5, T=1, pool=8, lower_bound=None, allow_neg_eigval=True),
     "gva_out_given": dict(G=2, out=torch.empty(1, 4, 4, D, dtype=torch.bfloat16)),
+    # Per-token slots [N, L] (speculative decoding), with and without num_accepted_tokens.
+    "indices_2d": dict(B=2, T=1, pool=4, ssm_state_indices=torch.tensor([[0], [1]])),
+    "spec_decoding_fixed": dict(B=2, T=3, pool=8, ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]),
+                                num_accepted_tokens=torch.tensor([2, 3], dtype=torch.int32)),
+    "spec_decoding_varlen_softplus": dict(seqlens=(3, 1), pool=8, lower_bound=None,
+                                          ssm_state_indices=torch.tensor([[0, 1, 2, 6], [3, 4, 5, 7]]),
+                                          num_accepted_tokens=torch.tensor([1, 4])),
 }
 
 
@@ -150,7 +157,11 @@ REFUSED = {  # case: (changes to the supported call, words of the reason)
     "unknown_argument": (dict(chunk_size=64), "chunk_size"),
     "in_place_without_state": (dict(state=None, inplace_final_state=True), "initial_state"),
     "indices_not_in_place": (dict(B=2, T=1, pool=4, inplace_final_state=False), "inplace_final_state"),
-    "indices_2d": (dict(B=2, T=1, pool=4, ssm_state_indices=torch.tensor([[0], [1]])), "1-D"),
+    "indices_2d_wrong_rows": (dict(B=2, T=1, pool=4, ssm_state_indices=torch.tensor([[0, 1]])), "N = 2 rows"),
+    "num_accepted_wrong_shape": (dict(B=2, T=3, pool=8, ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]),
+                                      num_accepted_tokens=torch.ones(3, dtype=torch.int32)), "num_accepted_tokens"),
+    "num_accepted_float": (dict(B=2, T=3, pool=8, ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]),
+                                num_accepted_tokens=torch.ones(2)), "num_accepted_tokens"),
     "indices_multi_token_fixed": (dict(B=2, T=3, pool=4), "one token per sequence"),
     "indices_multi_token_varlen": (dict(seqlens=(2, 1), pool=4), "one token per sequence"),
     "indices_float": (dict(B=2, T=1, pool=4, ssm_state_indices=torch.tensor([0.0, 1.0])), "ssm_state_indices"),

@@ -351,3 +351,60 @@ def test_anchored_products_equal_the_plain_ones(shape, gate_kind, gen, monkeypat
     anchored = reference.reference_chunked(**x, gate_kind=gate_kind, chunk=16)
     for a, b in zip(anchored, plain):
         assert rel(a, b) <= AGREE_REL
+
+
+# --- per-token states (state_indices [N, L], num_accepted_tokens) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(B=1, T=0, H=1, seqlens=(3, 0, 5, 1)), dict(B=2, T=2, H=2), dict(B=1, T=0, H=1, G=2, seqlens=(6, 2))],
+    ids=["varlen", "fixed_shorter_than_L", "gva"],
+)
+@pytest.mark.parametrize("accepted", ["counts", "none"])
+def test_per_token_states_are_the_final_states_of_prefixes(shape, accepted, gen):
+    """reference_loop with state_indices [N, L]: slot state_indices[n, t] holds the final state of sequence n's first
+    t + 1 tokens, run alone from the slot state_indices[n, a_n - 1] (zeros where that entry is negative), for every
+    t < min(L, length); no other slot changes; out is that of the dense call from the same starting states."""
+    L = 4
+    x = make(**shape, gen=gen, state=None)
+    del x["initial_state"]
+    x["lower_bound"] = -0.5  # slow decay: the starting state stays visible in every prefix
+    N = len(shape["seqlens"]) if "seqlens" in shape else shape["B"]
+    HV = x["v"].shape[2]
+    P = N * L + 2
+    pool = torch.randn(P, HV, D, D, generator=gen, dtype=torch.float64)
+    indices = torch.randperm(P, generator=gen)[: N * L].view(N, L)
+    indices[0, 1] = -1
+    counts = torch.tensor([2, 1, 4, 3][:N]) if accepted == "counts" else None
+    columns = (counts - 1) if counts is not None else torch.zeros(N, dtype=torch.int64)
+    start_slots = indices[torch.arange(N), columns]
+    options = dict(gate_kind="softplus", beta_scale=2.0) if "G" in shape else {}
+    if "G" in shape:
+        x["lower_bound"] = None
+    out, final_pool = reference.reference_loop(**x, initial_state=pool.clone(), state_indices=indices,
+                                               num_accepted_tokens=counts, **options)
+    starts = torch.stack([pool[s] if s >= 0 else torch.zeros_like(pool[0]) for s in start_slots.tolist()])
+    dense_out, _ = reference.reference_loop(**x, initial_state=starts, **options)
+    assert torch.equal(out, dense_out)
+
+    cu = x["cu_seqlens"]
+    bounds = [(int(cu[n]), int(cu[n + 1])) for n in range(N)] if cu is not None else None
+    written = torch.zeros(P, dtype=torch.bool)
+    for n in range(N):
+        for t in range(L):
+            length = (bounds[n][1] - bounds[n][0]) if bounds else x["q"].shape[1]
+            if t >= length or indices[n, t] < 0:
+                continue
+            if bounds:
+                row, tokens = 0, slice(bounds[n][0], bounds[n][0] + t + 1)
+            else:
+                row, tokens = n, slice(0, t + 1)
+            prefix = {name: (x[name][row : row + 1, tokens] if name in ("q", "k", "v", "g", "beta") else x[name])
+                      for name in x if name != "cu_seqlens"}
+            _, state = reference.reference_loop(**prefix, initial_state=starts[n : n + 1], **options)
+            slot = int(indices[n, t])
+            assert rel(final_pool[slot], state[0]) <= AGREE_REL, (n, t)
+            written[slot] = True
+    assert written.any()
+    assert torch.equal(final_pool[~written], pool[~written])

@@ -311,9 +311,9 @@ HV = G * H
 
 
 def _full_args(x: dict) -> tuple:
-    """validate's / well_formed's 17 positional arguments for the argument dict x (fwd's keywords included)."""
+    """validate's / well_formed's 18 positional arguments for the argument dict x (fwd's keywords included)."""
     return (*_args(x)[:13], x.get("workspace"), x.get("state_indices"), x.get("gate", "lower_bound"),
-            x.get("allow_neg_eigval", False))
+            x.get("allow_neg_eigval", False), x.get("num_accepted_tokens"))
 
 
 def accepted(x: dict, *, usual: bool = True) -> tuple:
@@ -998,9 +998,10 @@ def test_state_indices_dtype(dtype):
                 state_indices=torch.tensor([3, 0]).to(dtype))
 
 
-@pytest.mark.parametrize("shape", [(3,), (1,), (2, 1), (1, 2), ()])
+@pytest.mark.parametrize("shape", [(3,), (1,), (1, 2), (3, 2), (2, 0), (2, 1, 1), ()])
 def test_state_indices_shape(shape):
-    pool_raises(ValueError, re.escape("state_indices must be 1-D [N] = [2] (one slot per sequence), got "
+    pool_raises(ValueError, re.escape("state_indices must be 1-D [N] = [2] (one slot per sequence) or 2-D [N, L] = "
+                                      "[2, L] with L >= 1 (a slot per token), got "
                                       f"state_indices.shape=torch.Size({list(shape)})"),
                 state_indices=torch.zeros(shape, dtype=torch.int64))
 
@@ -1101,12 +1102,20 @@ def test_pool_in_place_is_accepted_and_other_overlaps_refused():
 
 
 def test_host_copies_layout():
-    # cu_seqlens copy first (16-byte granules), then the state indices' int64 copy, both 16-byte aligned
-    assert planning.host_copies(100, 3, False, False) == (112, 112, 100)
-    assert planning.host_copies(100, 3, True, False) == (112, 144, 144)
-    assert planning.host_copies(100, 3, False, True) == (112, 112, 144)
-    assert planning.host_copies(100, 3, True, True) == (112, 144, 176)
+    # cu_seqlens copy first (16-byte granules), then the state indices' int64 copy, then num_accepted_tokens' int64
+    # copy, all 16-byte aligned
+    assert planning.host_copies(100, 3, False, False) == (112, 112, 112, 100)
+    assert planning.host_copies(100, 3, True, False) == (112, 144, 144, 144)
+    assert planning.host_copies(100, 3, False, True) == (112, 112, 144, 144)
+    assert planning.host_copies(100, 3, True, True) == (112, 144, 176, 176)
+    assert planning.host_copies(100, 3, True, True, True) == (112, 144, 176, 208)
+    assert planning.host_copies(100, 3, False, False, True) == (112, 112, 112, 144)
+    # per-token indices [N, L]: N·L int64 slots (3 x 5 = 15: 120 bytes, 128 with the granule)
+    assert planning.host_copies(100, 3, False, True, False, 5) == (112, 112, 240, 240)
+    assert planning.host_copies(100, 3, True, True, True, 5) == (112, 144, 272, 304)
+    assert planning.host_copies(100, 3, True, False, True, 5) == (112, 144, 144, 176)
     assert planning.host_state_indices_bytes(1) == 16 and planning.host_state_indices_bytes(3) == 32
+    assert planning.host_num_accepted_tokens_bytes(1) == 16 and planning.host_num_accepted_tokens_bytes(3) == 32
 
 
 def test_state_indices_with_cpu_tensors_need_no_extra_workspace():
@@ -1160,6 +1169,306 @@ def test_fake_implementation_checks_state_indices():
         fake["state_indices"] = mode.from_tensor(torch.tensor([0, 1, 2]))
         with pytest.raises(ValueError, match=re.escape("state_indices must be 1-D [N] = [2]")):
             ops._fwd_fake(*_args(fake), fake["state_indices"])
+
+
+# --- per-token states (state_indices [N, L], num_accepted_tokens) ---------------------------------------------
+
+L = 3  # slots per sequence of the per-token calls below (N = B = 2 sequences of T = 5 tokens, pools of P = 8)
+TOKEN_P = 8
+
+
+def token_inputs(*, indices=((3, 1, 5), (0, 2, 7)), accepted=(1, 3), index_dtype=torch.int64,
+                 accepted_dtype=torch.int64) -> dict:
+    """Valid per-token CPU arguments: B = 2 sequences, state_indices [2, L] into two pools of TOKEN_P slots."""
+    x = pool_inputs(P=TOKEN_P)
+    x["state_indices"] = torch.tensor(indices, dtype=index_dtype)
+    x["num_accepted_tokens"] = None if accepted is None else torch.tensor(accepted, dtype=accepted_dtype)
+    return x
+
+
+def token_raises(exc: type[Exception], pattern: str, **changes):
+    x = {**token_inputs(), **changes}
+    before = x["out"].clone()
+    with pytest.raises(exc, match=pattern):
+        flash_kda.fwd(**x)
+    assert torch.equal(x["out"].view(torch.int16), before.view(torch.int16)), "a refused call must write nothing"
+
+
+def token_varlen_inputs(seqlens=(2, 0, 4), cu_dtype=torch.int64) -> dict:
+    """Per-token varlen arguments: N = 3 sequences (one empty) with state_indices [3, L] into pools of TOKEN_P
+    slots."""
+    x = varlen_inputs(seqlens, cu_dtype)
+    x["initial_state"] = torch.randn(TOKEN_P, H, D, D)
+    x["final_state"] = torch.zeros(TOKEN_P, H, D, D)
+    x["state_indices"] = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, -1]])
+    x["num_accepted_tokens"] = None
+    return x
+
+
+TOKEN_VARIANTS = {
+    "int64": {},
+    "int32": dict(index_dtype=torch.int32, accepted_dtype=torch.int32),
+    "mixed_dtypes": dict(index_dtype=torch.int32, accepted_dtype=torch.int64),
+    "no_accepted": dict(accepted=None),
+    "L1": dict(indices=((3,), (0,)), accepted=(1, 1)),
+    "padding": dict(indices=((-1, -1, 5), (-1, 2, -1)), accepted=(1, 2)),
+    "L_past_T": dict(indices=((0, 1, 2, 3, 4, 5, 5), (6, 7, -1, -1, -1, 5, 5)), accepted=(7, 1)),
+}
+
+
+@pytest.mark.parametrize("variant", list(TOKEN_VARIANTS))
+def test_per_token_state_indices_are_accepted(variant):
+    """[N, L] indices with or without num_accepted_tokens: the tight pass accepts them (no fallback) and agrees with
+    the ordered checks; the call runs (the CPU path). L past T: the entries of tokens t >= T are never written, so
+    they may repeat."""
+    x = token_inputs(**TOKEN_VARIANTS[variant])
+    assert accepted(x) == (2, T, H, 2, H)
+    flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("variant", ["in_place", "final_only", "bf16_fp32", "gva", "varlen", "varlen_int32"])
+def test_per_token_state_indices_are_accepted_with_other_options(variant):
+    x = token_inputs()
+    n = 2
+    if variant == "in_place":
+        x["final_state"] = x["initial_state"]
+    elif variant == "final_only":
+        x["initial_state"] = None
+    elif variant == "bf16_fp32":
+        x["initial_state"] = x["initial_state"].to(torch.bfloat16)
+    elif variant == "gva":
+        x = {**inputs(G=G, B=2, state=None), "initial_state": torch.zeros(TOKEN_P, HV, D, D),
+             "final_state": torch.zeros(TOKEN_P, HV, D, D), "state_indices": x["state_indices"],
+             "num_accepted_tokens": x["num_accepted_tokens"], "gate": "softplus", "lower_bound": None}
+        assert accepted(x) == (2, T, HV, 2, H)
+        flash_kda.fwd(**x)
+        return
+    elif variant.startswith("varlen"):
+        x = token_varlen_inputs(cu_dtype=torch.int32 if variant == "varlen_int32" else torch.int64)
+        x["num_accepted_tokens"] = torch.tensor([2, 1, 3])
+        n = 3
+    assert accepted(x) == (x["q"].shape[0], x["q"].shape[1], H, n, H)
+    flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool])
+def test_num_accepted_tokens_dtype(dtype):
+    token_raises(TypeError, re.escape(f"num_accepted_tokens must be int64 or int32, got "
+                                      f"num_accepted_tokens.dtype={dtype}"),
+                 num_accepted_tokens=torch.tensor([1, 2]).to(dtype))
+
+
+def test_num_accepted_tokens_not_a_tensor():
+    token_raises(TypeError, r"num_accepted_tokens must be a torch.Tensor or None, got type\(t\)=<class 'list'>",
+                 num_accepted_tokens=[1, 2])
+
+
+def test_num_accepted_tokens_device():
+    token_raises(ValueError, r"all tensors must be on one device, got q.device=cpu but num_accepted_tokens.device=meta",
+                 num_accepted_tokens=torch.ones(2, dtype=torch.int64, device="meta"))
+
+
+def test_num_accepted_tokens_non_contiguous():
+    token_raises(ValueError, r"num_accepted_tokens must be contiguous, got num_accepted_tokens.stride\(\)=\(2,\)",
+                 num_accepted_tokens=torch.tensor([1, 9, 2, 9])[::2])
+
+
+def test_per_token_state_indices_non_contiguous():
+    token_raises(ValueError, r"state_indices must be contiguous, got state_indices.stride\(\)=\(1, 2\)",
+                 state_indices=torch.tensor([[3, 0], [1, 2], [5, 7]]).t())
+
+
+@pytest.mark.parametrize("shape", [(3,), (1,), (2, 1), ()])
+def test_num_accepted_tokens_shape(shape):
+    token_raises(ValueError, re.escape("num_accepted_tokens must be 1-D [N] = [2] (one count per sequence), got "
+                                       f"num_accepted_tokens.shape=torch.Size({list(shape)})"),
+                 num_accepted_tokens=torch.ones(shape, dtype=torch.int64))
+
+
+def test_num_accepted_tokens_shape_varlen_counts_sequences():
+    x = token_varlen_inputs()
+    x["num_accepted_tokens"] = torch.tensor([1, 1])
+    with pytest.raises(ValueError, match=re.escape("num_accepted_tokens must be 1-D [N] = [3]")):
+        flash_kda.fwd(**x)
+
+
+def test_num_accepted_tokens_needs_per_token_state_indices():
+    accepted_counts = torch.tensor([1, 1])
+    with pytest.raises(ValueError, match=re.escape("num_accepted_tokens needs per-token state_indices [N, L] (it "
+                                                   "picks each sequence's starting slot among its L), got "
+                                                   "state_indices=None")):
+        flash_kda.fwd(**inputs(B=2), num_accepted_tokens=accepted_counts)
+    pool_raises(ValueError, re.escape("num_accepted_tokens needs per-token state_indices [N, L] (it picks each "
+                                      "sequence's starting slot among its L), got "
+                                      "state_indices.shape=torch.Size([2])"),
+                num_accepted_tokens=accepted_counts)
+
+
+def test_per_token_state_indices_need_final_state():
+    token_raises(ValueError, re.escape("state_indices [N, L] (per-token states) writes the state after each token into "
+                                       "final_state, got final_state=None with state_indices.shape=torch.Size([2, 3]) "
+                                       "(pass final_state=initial_state to write the pool in place)"),
+                 final_state=None)
+
+
+def test_per_token_state_indices_need_a_pool():
+    token_raises(ValueError, r"state_indices needs initial_state or final_state \(the pools \[P, H, V, K\] it "
+                 r"indexes\), got neither", initial_state=None, final_state=None)
+
+
+def test_per_token_pools_of_two_sizes_are_refused():
+    token_raises(ValueError, r"initial_state and final_state must be pools of one size P",
+                 final_state=torch.zeros(TOKEN_P + 1, H, D, D))
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(
+    "indices, entry, value", [(((8, 1, 5), (0, 2, 7)), "[0, 0]", 8), (((3, 1, 5), (0, 2, 99)), "[1, 2]", 99)],
+)
+def test_per_token_state_indices_past_the_pool_are_refused_on_the_host(indices, entry, value, index_dtype):
+    token_raises(ValueError, re.escape(f"state_indices{entry} = {value} is past the pool's last slot (P = 8"),
+                 state_indices=torch.tensor(indices, dtype=index_dtype))
+
+
+def test_per_token_index_past_the_pool_is_refused_even_where_nothing_is_written():
+    """Every index is checked against P, also those of tokens past a sequence's end (T = 5 < L = 6 here)."""
+    token_raises(ValueError, re.escape("state_indices[1, 5] = 8 is past the pool's last slot (P = 8"),
+                 state_indices=torch.tensor([[0, 1, 2, 3, 4, -1], [5, 6, 7, -1, -1, 8]]), num_accepted_tokens=None)
+
+
+@pytest.mark.parametrize(
+    "indices, first, second, slot",
+    [(((3, 1, 5), (0, 1, 7)), "[0, 1]", "[1, 1]", 1), (((3, 3, 5), (0, 2, 7)), "[0, 0]", "[0, 1]", 3),
+     (((3, 1, 5), (0, 2, 3)), "[0, 0]", "[1, 2]", 3)],
+)  # fmt: skip
+def test_per_token_duplicate_written_slots_are_refused(indices, first, second, slot):
+    token_raises(ValueError, re.escape(f"state_indices{first} and state_indices{second} both name slot {slot}; each "
+                                       "slot may be written once"),
+                 state_indices=torch.tensor(indices))
+
+
+def test_per_token_duplicates_among_unwritten_entries_are_accepted():
+    """Varlen (2, 0, 4) with L = 3: sequence 0 writes t < 2, sequence 1 nothing, sequence 2 t < 3; the other entries
+    may name written slots (they only may be read: as a starting slot)."""
+    x = token_varlen_inputs()
+    x["state_indices"] = torch.tensor([[0, 1, 1], [0, 1, 2], [2, 3, 4]])
+    x["num_accepted_tokens"] = torch.tensor([3, 2, 1])
+    flash_kda.fwd(**x)
+    x["state_indices"] = torch.tensor([[0, 1, 1], [0, 1, 2], [2, 3, 1]])  # (2, 2) is written, as is (0, 1)
+    with pytest.raises(ValueError, match=re.escape("state_indices[0, 1] and state_indices[2, 2] both name slot 1")):
+        flash_kda.fwd(**x)
+
+
+def test_check_state_indices_per_token():
+    indices = torch.tensor([[0, 5, -1], [2, -1, 5], [-1, -1, 4]])
+    with pytest.raises(ValueError, match=re.escape("state_indices[0, 1] and state_indices[1, 2] both name slot 5")):
+        validation.check_state_indices(indices, 6, writes=True, lengths=torch.tensor([3, 3, 3]))
+    validation.check_state_indices(indices, 6, writes=True, lengths=torch.tensor([3, 2, 3]))  # (1, 2) not written
+    validation.check_state_indices(indices, 6, writes=True, lengths=torch.tensor([1, 9, 0]))  # (0, 1) not written
+    validation.check_state_indices(indices, 6, writes=True)  # lengths unknown (a CUDA cu_seqlens): no duplicate check
+    validation.check_state_indices(indices, 6, writes=False, lengths=torch.tensor([3, 3, 3]))
+    with pytest.raises(ValueError, match=re.escape("state_indices[2, 2] = 4 is past the pool's last slot (P = 4")):
+        validation.check_state_indices(torch.tensor([[0, 1, -1], [2, -1, 3], [-1, -1, 4]]), 4, writes=False)
+    assert validation.sequence_lengths(None, 3, 7).tolist() == [7, 7, 7]
+    assert validation.sequence_lengths(torch.tensor([0, 2, 2, 6], dtype=torch.int32), 1, 6).tolist() == [2, 0, 4]
+
+
+@pytest.mark.parametrize("accepted_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("counts, n, value", [((0, 1), 0, 0), ((1, 4), 1, 4), ((3, -2), 1, -2), ((-1, 9), 0, -1)])
+def test_num_accepted_tokens_outside_one_to_L_are_refused_on_the_host(counts, n, value, accepted_dtype):
+    token_raises(ValueError, re.escape(f"num_accepted_tokens[{n}] = {value} is outside [1, L] = [1, {L}] (L: "
+                                       "state_indices.shape[1]; sequence n starts from slot "
+                                       "state_indices[n, num_accepted_tokens[n] - 1])"),
+                 num_accepted_tokens=torch.tensor(counts, dtype=accepted_dtype))
+
+
+def test_check_num_accepted_tokens():
+    validation.check_num_accepted_tokens(torch.tensor([1, 2, 3]), 3)
+    with pytest.raises(ValueError, match=re.escape("num_accepted_tokens[2] = 3 is outside [1, L] = [1, 2]")):
+        validation.check_num_accepted_tokens(torch.tensor([1, 2, 3], dtype=torch.int32), 2)
+
+
+def test_per_token_state_indices_overlapping_an_output_are_refused():
+    x = token_inputs()
+    x["num_accepted_tokens"] = x["final_state"].view(-1)[:2].view(torch.int32)  # two int32 zeros inside the pool
+    with pytest.raises(ValueError, match="final_state overlaps num_accepted_tokens in memory"):
+        flash_kda.fwd(**x)
+
+
+def test_per_token_state_indices_with_cpu_tensors_need_no_extra_workspace():
+    x = token_inputs()
+    assert (flash_kda.workspace_bytes(x["q"], None, x["state_indices"], num_accepted_tokens=x["num_accepted_tokens"])
+            == flash_kda.workspace_bytes(x["q"]))
+
+
+def test_workspace_counts_the_host_copies_of_per_token_indices(monkeypatch):
+    """CPU state_indices [N, L] and num_accepted_tokens beside CUDA q: N·L and N int64 copies behind the kernels'
+    bytes (fake CUDA tensors: no GPU needed; the SM count is given)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setitem(planning._sm_counts, 0, 132)
+    indices = torch.zeros(3, 5, dtype=torch.int32)
+    one_per_sequence = indices[:, 0].contiguous()
+    counts = torch.ones(3, dtype=torch.int32)
+    with FakeTensorMode():
+        q = torch.empty(3, 40, 2, D, dtype=torch.bfloat16, device="cuda:0")
+        kernel = flash_kda.workspace_bytes(q)
+        base = -(-kernel // 16) * 16
+        assert flash_kda.workspace_bytes(q, None, one_per_sequence) == base + 32
+        assert flash_kda.workspace_bytes(q, None, indices) == base + 128  # 15 slots: 120 bytes in 16-byte granules
+        assert flash_kda.workspace_bytes(q, None, indices, num_accepted_tokens=counts) == base + 128 + 32
+        assert flash_kda.workspace_bytes(q, None, None, num_accepted_tokens=counts) == base + 32
+
+
+# Calls with per-token indices that validate refuses: the tight pass must not accept any of them.
+TOKEN_ERRORS = {
+    "accepted_without_2d": dict(state_indices=torch.tensor([3, 0]), num_accepted_tokens=torch.tensor([1, 1])),
+    "accepted_dtype": dict(num_accepted_tokens=torch.tensor([1.0, 1.0])),
+    "accepted_shape": dict(num_accepted_tokens=torch.tensor([1, 1, 1])),
+    "accepted_2d": dict(num_accepted_tokens=torch.tensor([[1], [1]])),
+    "accepted_strided": dict(num_accepted_tokens=torch.tensor([1, 9, 1, 9])[::2]),
+    "accepted_list": dict(num_accepted_tokens=[1, 1]),
+    "accepted_meta": dict(num_accepted_tokens=torch.ones(2, dtype=torch.int64, device="meta")),
+    "no_final_state": dict(final_state=None),
+    "L0": dict(state_indices=torch.zeros(2, 0, dtype=torch.int64)),
+    "N_mismatch": dict(state_indices=torch.zeros(3, 2, dtype=torch.int64)),
+    "3d": dict(state_indices=torch.zeros(2, 1, 1, dtype=torch.int64)),
+    "strided": dict(state_indices=torch.tensor([[3, 0], [1, 2], [5, 7]]).t()),
+    "indices_dtype": dict(state_indices=torch.zeros(2, 3, dtype=torch.int16)),
+    "no_pool": dict(initial_state=None, final_state=None),
+}
+
+
+@pytest.mark.parametrize("changes", list(TOKEN_ERRORS.values()), ids=list(TOKEN_ERRORS))
+def test_well_formed_never_accepts_bad_per_token_arguments(changes):
+    x = {**token_inputs(), **changes}
+    assert validation.well_formed(*_full_args(x)) is None
+    with pytest.raises((TypeError, ValueError)):
+        validation.validate(*_full_args(x), concrete=True)
+
+
+def test_well_formed_never_accepts_num_accepted_tokens_without_state_indices():
+    x = {**inputs(B=2), "num_accepted_tokens": torch.tensor([1, 1])}
+    assert validation.well_formed(*_full_args(x)) is None
+    with pytest.raises(ValueError, match="num_accepted_tokens needs per-token state_indices"):
+        validation.validate(*_full_args(x), concrete=True)
+
+
+def test_fake_implementation_checks_per_token_arguments():
+    """The operator's fake implementation accepts per-token indices with num_accepted_tokens and refuses bad ones
+    with fwd's messages (contents are not read while tracing)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_kda import ops
+
+    x = token_inputs(accepted=(0, 99))  # out of range: a content check, not done on fake tensors
+    with FakeTensorMode() as mode:
+        fake = {n: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+        ops._fwd_fake(*_full_args(fake))
+        with pytest.raises(ValueError, match=re.escape("num_accepted_tokens must be 1-D [N] = [2]")):
+            ops._fwd_fake(*_full_args({**fake, "num_accepted_tokens": mode.from_tensor(torch.ones(3, dtype=torch.int64))}))
+        with pytest.raises(ValueError, match="per-token states\\) writes the state after each token into final_state"):
+            ops._fwd_fake(*_full_args({**fake, "final_state": None}))
 
 
 # --- the decode kernel's plan -----------------------------------------------------------------------------------

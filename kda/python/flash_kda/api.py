@@ -23,8 +23,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         out: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
         initial_state: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
-        state_indices: torch.Tensor | None = None, gate: str = "lower_bound", allow_neg_eigval: bool = False) -> None:
-    """Kimi Delta Attention forward: writes the output into ``out`` and the last state into ``final_state``.
+        state_indices: torch.Tensor | None = None, gate: str = "lower_bound", allow_neg_eigval: bool = False,
+        num_accepted_tokens: torch.Tensor | None = None) -> None:
+    """Kimi Delta Attention forward: writes the output into ``out`` and the last state into ``final_state`` (with
+    per-token ``state_indices``, the state after each of a sequence's first L tokens).
 
     Per sequence n and value head h (reading key head h // G, where HV = G·H: grouped value heads; G = 1 is plain
     KDA), with q̂ = q/sqrt(Σq² + 1e-6), k̂ likewise, a = exp(A_log[h]) (1 without A_log), x_t = g_t + dt_bias[h]
@@ -41,7 +43,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
         S ← S · Diag(α_t);   S ← S + β_t (v_t − S k̂_t) k̂_tᵀ;   out_t = S (scale · q̂_t)
 
-    and ``final_state[n, h]`` receives S after the sequence's last token. Without ``cu_seqlens`` each of the
+    and ``final_state[n, h]`` receives S after the sequence's last token (with per-token ``state_indices``
+    [N, L]: S after each token t < min(L, length) goes to pool slot ``state_indices[n, t]``, and S starts from
+    slot ``state_indices[n, num_accepted_tokens[n] − 1]``; below). Without ``cu_seqlens`` each of the
     B rows is one sequence (N = B); with it, B must be 1 and sequence n is tokens cu[n] .. cu[n+1]-1 (it may be
     empty, and T = 0 is allowed). States never cross sequence boundaries.
 
@@ -59,10 +63,11 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     | initial_state | None / bf16 / fp32 | [N, HV, V, K] or pool [P, HV, V, K] | initial state (None: zeros); never modified |
     | final_state | None / bf16 / fp32 | [N, HV, V, K] or pool [P, HV, V, K] | output buffer for the final state (may be initial_state) |
     | cu_seqlens | int64 / int32 | [N + 1] | optional sequence boundaries; requires B = 1; may be on the CPU |
-    | workspace | uint8 | [≥ workspace_bytes(v, cu_seqlens, state_indices, gate=gate)] | optional CUDA scratch (keyword only) |
-    | state_indices | int64 / int32 | [N] | optional pool slot of each sequence (keyword only); may be on the CPU |
+    | workspace | uint8 | [≥ workspace_bytes(v, cu_seqlens, state_indices, gate=gate, num_accepted_tokens=num_accepted_tokens)] | optional CUDA scratch (keyword only) |
+    | state_indices | int64 / int32 | [N] or [N, L] | optional pool slot of each sequence, or of each of its first L tokens (per-token states, below; L ≥ 1) (keyword only); may be on the CPU |
     | gate | str | — | "lower_bound" (default) or "softplus": the decay's activation, above (keyword only) |
     | allow_neg_eigval | bool | — | β = 2·sigmoid(beta) instead of sigmoid(beta) (keyword only; default False) |
+    | num_accepted_tokens | None / int64 / int32 | [N] | with state_indices [N, L] only: a_n, sequence n starts from slot state_indices[n, a_n − 1] (keyword only; None: a_n = 1); may be on the CPU |
 
     K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
     bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
@@ -79,6 +84,19 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     ``state_indices`` is read by the kernels at every launch (graph replays see new contents), an index >= P
     is skipped like a negative one, never touching memory outside the pool, and ``flash_kda.last_error()``
     names it.
+
+    Per-token states (speculative decoding, fla's and vLLM's contract): with ``state_indices`` [N, L] (L >= 1),
+    sequence n starts from slot ``state_indices[n, a_n − 1]``, a_n = ``num_accepted_tokens[n]`` (1 when it is
+    None), and the state after its token t is written to slot ``state_indices[n, t]`` for every
+    t < min(L, its length); no other state is written (an empty sequence writes none). A negative slot means none:
+    start from zeros, or write nothing for that token. The per-token states are those of the token-by-token
+    recurrence, the decode kernel's arithmetic, whatever the plan that computes ``out``. The pools are required as
+    for [N] indices, and ``final_state`` too (the pool written; pass ``initial_state`` itself to write in place);
+    ``num_accepted_tokens`` is refused without [N, L] indices. Two written entries naming one slot leave an
+    unspecified state there. On the CPU the contents are checked (every index < P; no slot written twice where
+    the host knows which entries are written: fixed-length batches or a CPU ``cu_seqlens``; every a_n in [1, L])
+    and copied into the workspace like ``state_indices`` [N]; a CUDA ``num_accepted_tokens`` is read by the
+    kernels, where an a_n outside [1, L] means no starting slot (zeros) and ``flash_kda.last_error()`` reports it.
 
     CUDA: needs compute capability 9.0 (sm_90a). The call never synchronises with the host and allocates no
     device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of a
@@ -101,6 +119,6 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         from flash_kda import ops  # noqa: PLC0415 -- registers the operator on first use
 
         return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                          cu_seqlens, workspace, state_indices, gate, allow_neg_eigval)
+                          cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens)
     return _run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                workspace, state_indices, gate, allow_neg_eigval)
+                workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens)

@@ -38,9 +38,10 @@ Both backends take a call only where ``flash_kda.fwd`` computes what fla's kerne
   (with ``max_num_seqs`` equal to the number of sequences) and ``cu_seqlens_cpu`` (a hint) are accepted; refused:
   ``cp_context`` (context parallel), ``return_intermediate_states``, arguments fla's signature does not name;
 - ``fused_recurrent_kda_fwd``: contiguous, 16-byte aligned tensors (it writes states in place);
-  ``ssm_state_indices`` None or 1-D with ``inplace_final_state=True`` and one token per sequence (fla reads a 1-D
-  index per token, which is a slot per sequence only then); refused: ``num_accepted_tokens`` (speculative decoding),
-  per-channel beta, arguments fla's signature does not name.
+  ``ssm_state_indices`` None, 1-D with ``inplace_final_state=True`` and one token per sequence (fla reads a 1-D
+  index per token, which is a slot per sequence only then), or 2-D [N, L] with ``inplace_final_state=True`` and
+  optionally ``num_accepted_tokens`` (speculative decoding: the state after token t into slot [n, t], the start from
+  slot [n, num_accepted_tokens[n] − 1]); refused: per-channel beta, arguments fla's signature does not name.
 
 The calls map onto ``flash_kda.fwd`` as fla's functions define their results (``chunk_kda`` and
 ``fused_recurrent_kda_fwd`` below have the tables): out like v, bf16; final states fp32 [N, HV, V, K] when asked
@@ -311,8 +312,8 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
     # --- what the arguments mean: the KDA of flash_kda.fwd and nothing else
     if kwargs:
         return f"arguments fla 0.6's signature does not name: {sorted(kwargs)}"
-    if num_accepted_tokens is not None:
-        return "num_accepted_tokens (speculative decoding) is not supported"
+    if num_accepted_tokens is not None and (ssm_state_indices is None or ssm_state_indices.dim() != 2):
+        return "num_accepted_tokens without 2-D ssm_state_indices [N, L] (fla reads it only with per-token slots)"
     reason = _flags_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
     if reason is None:
         reason = _gate_problem(lower_bound, A_log, scale)
@@ -326,21 +327,23 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
     tensors = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
         "initial_state": initial_state, "cu_seqlens": cu_seqlens, "ssm_state_indices": ssm_state_indices,
-        "out": out,
+        "num_accepted_tokens": num_accepted_tokens, "out": out,
     }  # fmt: skip
-    reason = _tensors_problem(tensors, host_ok=("cu_seqlens", "ssm_state_indices"))
+    reason = _tensors_problem(tensors, host_ok=("cu_seqlens", "ssm_state_indices", "num_accepted_tokens"))
     if reason is not None:
         return reason
     given = {name: t for name, t in tensors.items() if t is not None}
-    if ssm_state_indices is not None and ssm_state_indices.dtype not in STATE_INDEX_DTYPES:
-        return f"ssm_state_indices must be int64 or int32, got {ssm_state_indices.dtype=}"
+    for name in ("ssm_state_indices", "num_accepted_tokens"):
+        if name in given and given[name].dtype not in STATE_INDEX_DTYPES:
+            return f"{name} must be int64 or int32, got {name}.dtype={given[name].dtype}"
 
     # --- layout: flash_kda.fwd takes contiguous tensors whose rows start 16-byte aligned (and this path writes
     # initial_state in place, so it cannot work on copies)
     for name, t in given.items():
         if not t.is_contiguous():
             return f"{name} must be contiguous, got {name}.stride()={t.stride()} for shape {tuple(t.shape)}"
-        if name not in ("beta", "A_log", "cu_seqlens", "ssm_state_indices") and t.data_ptr() % ALIGNMENT:
+        if name not in ("beta", "A_log", "cu_seqlens", "ssm_state_indices", "num_accepted_tokens") and \
+                t.data_ptr() % ALIGNMENT:
             return f"{name} must start {ALIGNMENT}-byte aligned, got {name}.data_ptr() % {ALIGNMENT} = " \
                    f"{t.data_ptr() % ALIGNMENT}"
 
@@ -352,10 +355,17 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
     if out is not None and out.shape != v.shape:
         return f"out must have v's shape {list(v.shape)}, got out.shape={tuple(out.shape)}"
     if ssm_state_indices is not None:
-        if ssm_state_indices.dim() != 1 or ssm_state_indices.shape[0] != N:
-            return f"ssm_state_indices must be 1-D [N] = [{N}], got {ssm_state_indices.shape=}"
-        if B * T != N:
-            return f"ssm_state_indices needs one token per sequence, got {B * T} tokens for N = {N} sequences"
+        # 1-D: one slot per sequence, which fla indexes per token, so one token per sequence; 2-D [N, L]: the state
+        # after token t of sequence n into slot [n, t] (speculative decoding).
+        if ssm_state_indices.dim() == 2:
+            if ssm_state_indices.shape[0] != N or ssm_state_indices.shape[1] < 1:
+                return f"ssm_state_indices [N, L] must have N = {N} rows and L >= 1, got {ssm_state_indices.shape=}"
+        elif ssm_state_indices.dim() != 1 or ssm_state_indices.shape[0] != N:
+            return f"ssm_state_indices must be [N] = [{N}] or [N, L], got {ssm_state_indices.shape=}"
+        elif B * T != N:
+            return f"1-D ssm_state_indices needs one token per sequence, got {B * T} tokens for N = {N} sequences"
+        if num_accepted_tokens is not None and tuple(num_accepted_tokens.shape) != (N,):
+            return f"num_accepted_tokens must be [N] = [{N}], got {num_accepted_tokens.shape=}"
         if initial_state.dim() != 4 or initial_state.shape[0] < 1 or initial_state.shape[1:] != (HV, HEAD_DIM,
                                                                                                 HEAD_DIM):
             return f"initial_state must be a pool [P, HV, V, K] = [P, {HV}, {HEAD_DIM}, {HEAD_DIM}], got " \
@@ -399,7 +409,8 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     | initial_state [N, HV, V, K], or a pool [P, HV, V, K] with ssm_state_indices | initial_state |
     | inplace_final_state | final_state = initial_state |
     | output_final_state without inplace_final_state | final_state = new fp32 [N, HV, V, K] |
-    | cu_seqlens, ssm_state_indices [N] | cu_seqlens, state_indices |
+    | cu_seqlens, ssm_state_indices [N] or [N, L] | cu_seqlens, state_indices |
+    | num_accepted_tokens [N] (with [N, L] slots) | num_accepted_tokens |
 
     Returns ``(out, final_state)``: ``final_state`` is ``initial_state`` in place, the new tensor, or None.
     """
@@ -419,7 +430,8 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     bound, gate = _gate_args(lower_bound)
     flash_kda.fwd(q, k, v, g, beta, K**-0.5 if scale is None else float(scale), out, A_log, dt_bias, bound,
                   initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
-                  state_indices=ssm_state_indices, gate=gate, allow_neg_eigval=bool(allow_neg_eigval))
+                  state_indices=ssm_state_indices, gate=gate, allow_neg_eigval=bool(allow_neg_eigval),
+                  num_accepted_tokens=num_accepted_tokens)
     return out, final_state
 
 

@@ -19,11 +19,13 @@ from flash_kda.validation import (
     HEAD_DIM,
     PARAM_TYPES,
     check_cu_seqlens,
+    check_num_accepted_tokens,
     check_state_indices,
     checked_cu_seqlens,
     cu_seqlens_on_host,
     device_index,
     pool_slots,
+    sequence_lengths,
     validate,
 )
 
@@ -31,7 +33,7 @@ __all__ = ["run", "run_cpu", "last_error", "reserve_workspace"]
 
 
 def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-        workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False,
+        workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None,
         cached_workspace: bool = True) -> None:
     """``fwd`` outside tracing (the same arguments, all given): validate, then run the CUDA kernel or the CPU path.
 
@@ -39,21 +41,33 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     of its own (the operator's choice, ops.py). H below is the value heads (v's); q and k have H // G key heads."""
     B, T, H, N, key_heads = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                                      final_state, cu_seqlens, workspace, state_indices, gate, allow_neg_eigval,
-                                     concrete=True)
+                                     num_accepted_tokens, concrete=True)
     K = HEAD_DIM
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
         check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
-    P, indices_on_host = N, False  # (the usual call: no pools, no host time beyond these two names)
+    # (the usual call: no pools, no host time beyond these names)
+    P, indices_on_host, state_tokens, accepted_on_host = N, False, 0, False
     if state_indices is not None:
         P = pool_slots(initial_state, final_state, N, state_indices)
         indices_on_host = state_indices.device.type == "cpu"
+        if state_indices.dim() == 2:
+            state_tokens = state_indices.shape[1]  # L: per-token states
         if indices_on_host:
-            check_state_indices(state_indices, P, final_state is not None)  # on the host: free there
+            # on the host: free there. Per-token slots: which entries are written is known from fixed lengths or a
+            # CPU cu_seqlens (a CUDA one is not read: no duplicate check then).
+            lengths = (sequence_lengths(cu_seqlens, B, T)
+                       if state_tokens and (cu_seqlens is None or cu_seqlens.device.type == "cpu") else None)
+            check_state_indices(state_indices, P, final_state is not None, lengths)
+        if num_accepted_tokens is not None:
+            accepted_on_host = num_accepted_tokens.device.type == "cpu"
+            if accepted_on_host:
+                check_num_accepted_tokens(num_accepted_tokens, state_tokens)  # on the host: free there
 
-    # --- nothing to compute: no launch with an empty grid, but final_state is still defined.
+    # --- nothing to compute: no launch with an empty grid, but final_state is still defined (per-token states: no
+    # token, so no state is written).
     if B * T == 0 or H == 0:
-        if final_state is not None and final_state is not initial_state:
+        if final_state is not None and final_state is not initial_state and not state_tokens:
             if state_indices is not None:
                 pools.copy_named_slots(final_state, initial_state, state_indices)  # (no synchronisation)
             elif initial_state is None:
@@ -65,7 +79,7 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     if q.device.type == "cpu":
         run_cpu(q, k, v, g, beta, float(scale), out, A_log, None if dt_bias is None else dt_bias.view(H, K),
                 None if lower_bound is None else float(lower_bound), initial_state, final_state, cu_seqlens,
-                state_indices, gate, allow_neg_eigval)  # fmt: skip
+                state_indices, gate, allow_neg_eigval, num_accepted_tokens)  # fmt: skip
         return None
 
     C = _ext.load()
@@ -73,8 +87,10 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     stream = _ext.current_stream(index)
     gate_code = GATE_CODES[gate]
     plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
-    if cu_on_host or indices_on_host:
-        cu_offset, indices_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host, indices_on_host)
+    if cu_on_host or indices_on_host or accepted_on_host:
+        cu_offset, indices_offset, accepted_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host,
+                                                                         indices_on_host, accepted_on_host,
+                                                                         state_tokens)
     else:
         nbytes = kernel_bytes
     if workspace is None:
@@ -92,25 +108,39 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         device_cu.copy_(staged, non_blocking=True)
         cu_seqlens = device_cu
     if indices_on_host:
-        # Likewise, after the cu_seqlens copy (if any): a private pageable int64 copy of the validated indices.
-        staged = torch.empty(N, dtype=torch.int64)
-        staged.copy_(state_indices)
-        device_indices = workspace[indices_offset : indices_offset + 8 * N].view(torch.int64)
+        # Likewise, after the cu_seqlens copy (if any): a private pageable int64 copy of the validated indices
+        # (N of them, or N·L per-token slots, row-major).
+        count = N * state_tokens if state_tokens else N
+        staged = torch.empty(count, dtype=torch.int64)
+        staged.copy_(state_indices.view(count))
+        device_indices = workspace[indices_offset : indices_offset + 8 * count].view(torch.int64)
         device_indices.copy_(staged, non_blocking=True)
         state_indices = device_indices
+    if accepted_on_host:
+        # Likewise, after the state_indices copy (if any): the validated counts as int64.
+        staged = torch.empty(N, dtype=torch.int64)
+        staged.copy_(num_accepted_tokens)
+        device_accepted = workspace[accepted_offset : accepted_offset + 8 * N].view(torch.int64)
+        device_accepted.copy_(staged, non_blocking=True)
+        num_accepted_tokens = device_accepted
 
-    # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens, or to the
-    # first sequence whose CUDA state index is past the pool (host copies were validated above: no device check).
+    # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens, to the
+    # first sequence whose CUDA state index is past the pool, or whose CUDA num_accepted_tokens is outside [1, L]
+    # (host copies were validated above: no device check).
     indices_on_device = state_indices is not None and not indices_on_host
-    status = (_status_word(index) if (cu_seqlens is not None and not cu_on_host) or indices_on_device
-              else None)
+    accepted_on_device = num_accepted_tokens is not None and not accepted_on_host
+    status = (_status_word(index)
+              if (cu_seqlens is not None and not cu_on_host) or indices_on_device or accepted_on_device else None)
     if indices_on_device:
         _note_pool_slots(index, P)
+    if state_tokens and (indices_on_device or accepted_on_device):
+        _per_token_devices.add(index)
     # The extension makes q's device current for the launches itself (a torch.cuda.device context costs more
     # host time than the launches). Its argument is four groups (kda/csrc/binding.cpp): tensors with their dtype
     # codes, shape with the scalars, the plan, and where to launch. (Pointers read inline, 0 for None: a helper
     # function's call per tensor is host time too.) Shape: (B, T, N, value heads, scale, lower_bound (0.0 for the
-    # softplus gate, which does not use it), P, key heads, gate code, β's scale (2 allows negative eigenvalues)).
+    # softplus gate, which does not use it), P, key heads, gate code, β's scale (2 allows negative eigenvalues),
+    # state_tokens: L of per-token state_indices [N, L], 0 otherwise).
     C.fwd(
         (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
          0 if A_log is None else A_log.data_ptr(), 0 if A_log is None else PARAM_TYPES[A_log.dtype],
@@ -123,9 +153,11 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
          0 if cu_seqlens is None else cu_seqlens.data_ptr(),
          cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
          0 if state_indices is None else state_indices.data_ptr(),
-         state_indices is not None and state_indices.dtype == torch.int64),
+         state_indices is not None and state_indices.dtype == torch.int64,
+         0 if num_accepted_tokens is None else num_accepted_tokens.data_ptr(),
+         num_accepted_tokens is not None and num_accepted_tokens.dtype == torch.int64),
         (B, T, N, H, float(scale), 0.0 if gate_code else float(lower_bound), P, key_heads, gate_code,
-         2.0 if allow_neg_eigval else 1.0),
+         2.0 if allow_neg_eigval else 1.0, state_tokens),
         plan,
         (workspace.data_ptr(), workspace.numel(), 0 if status is None else status, stream, index),
     )  # fmt: skip
@@ -161,32 +193,58 @@ def _gib(nbytes: int) -> str:
 
 
 def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-            state_indices=None, gate="lower_bound", allow_neg_eigval=False):
+            state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None):
     """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state`` (with
-    ``state_indices``: into the named slots of the pool ``final_state``, ``pools.scatter``).
+    ``state_indices`` [N]: into the named slots of the pool ``final_state``, ``pools.scatter``; with per-token
+    ``state_indices`` [N, L]: the pool ``cpu_forward`` returns, its written slots holding the states after each
+    token by the recurrence, ``pools.run_pooled_tokens``).
 
     Refuses (MemoryError, before any work) a call whose working memory exceeds what the host has available."""
     from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
 
     B, T, H, _ = v.shape  # H: the value heads (the path expands grouped key heads to them)
     needed = cpu_bytes_needed(B * T * H)
+    per_token = state_indices is not None and state_indices.dim() == 2
+    also = ""
+    if per_token:
+        # the fp32 states after each of the first L tokens [N, L, H, V, K] and the final pool in fp32
+        needed += 4 * HEAD_DIM * HEAD_DIM * H * (state_indices.numel() + final_state.shape[0])
+        also = f" and fp32 states [N·L + P = {state_indices.numel() + final_state.shape[0]}, H, V, K]"
     available = available_host_memory()
     if available is not None and needed > available:
         raise MemoryError(
             f"flash_kda: the CPU path needs about {_gib(needed)} for {B * T * H} token-heads "
-            f"(B*T*H from {tuple(v.shape)=}; ~{CPU_BYTES_PER_TOKEN_HEAD // 1024} KiB each) but the host has "
+            f"(B*T*H from {tuple(v.shape)=}; ~{CPU_BYTES_PER_TOKEN_HEAD // 1024} KiB each){also} but the host has "
             f"{_gib(available)} available; use CUDA tensors or split the call"
         )
 
     if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
         cu_seqlens = cu_seqlens.to(torch.int64)
+    beta_scale = 2.0 if allow_neg_eigval else 1.0
+    if per_token:
+        # The pools go in as they are (final_state is required with per-token indices): the result is the whole
+        # final pool in fp32, a fresh tensor (so final_state may be initial_state). Only the written slots are
+        # copied back: the others keep their bits (a bf16 NaN would not survive the round trip through fp32).
+        o, pool = numerics.cpu_forward(
+            q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            state_indices=state_indices, final_state=final_state, gate_kind=gate, beta_scale=beta_scale,
+            num_accepted_tokens=num_accepted_tokens,
+        )
+        out.copy_(o)
+        indices = state_indices.to(torch.int64)
+        N, L = indices.shape
+        lengths = sequence_lengths(cu_seqlens, B, T).view(N, 1)
+        written = (torch.arange(L).view(1, L) < lengths) & (indices >= 0) & (indices < final_state.shape[0])
+        slots = indices[written]
+        final_state[slots] = pool[slots].to(final_state.dtype)
+        return
     # With pools: the dense initial states of the sequences' slots (a fresh tensor), pools.gather.
     dense_initial = initial_state
     if state_indices is not None and initial_state is not None:
         dense_initial = pools.gather(initial_state, state_indices)
     o, state = numerics.cpu_forward(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=dense_initial, cu_seqlens=cu_seqlens,
-        gate_kind=gate, beta_scale=2.0 if allow_neg_eigval else 1.0,
+        gate_kind=gate, beta_scale=beta_scale,
     )
     # The results are fresh tensors, so final_state may alias initial_state.
     out.copy_(o)
@@ -202,6 +260,9 @@ _status_words: dict[int, int] = {}  # device index -> address of its error word
 # device index -> the pool sizes P of its calls with CUDA state_indices since the last query (for last_error's
 # message: the word holds the sequence, not the call's P).
 _pool_sizes: dict[int, set[int]] = {}
+# device indices with a call since the last query whose per-token state_indices or num_accepted_tokens were on the
+# device (the word then names a sequence with a bad slot or a count outside [1, L]).
+_per_token_devices: set[int] = set()
 
 
 def _note_pool_slots(index: int, P: int) -> None:
@@ -234,18 +295,20 @@ def _status_word(index: int) -> int:
 
 
 def last_error(device: torch.device | str | int | None = None) -> str | None:
-    """The first malformed ``cu_seqlens`` or ``state_indices`` a CUDA call on ``device`` met since the last query,
-    or None.
+    """The first malformed ``cu_seqlens``, ``state_indices`` or ``num_accepted_tokens`` a CUDA call on ``device``
+    met since the last query, or None.
 
     ``fwd`` never reads a CUDA ``cu_seqlens`` or ``state_indices`` on the host (that would synchronise); a small
     kernel checks the boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and the
-    state indices (each below the pools' slot count P) and records the first bad one in a per-device word (a
-    ``cu_seqlens`` index before any state index). This query covers every call enqueued on ``device`` before it,
-    on any stream and from any thread (it waits for all of the device's work: ``torch.cuda.synchronize(device)``),
-    then reads and resets the word in one atomic exchange and returns a message naming ``cu_seqlens[i]`` or
-    ``state_indices[n]``; the outputs of a call with a malformed ``cu_seqlens`` are unspecified, and a sequence
-    whose index is past the pool ran from zeros and wrote no state (no memory outside the pool was touched). Calls
-    enqueued while the query runs are reported by the next query.
+    state indices (each below the pools' slot count P) and the accepted-token counts (each in [1, L]) and records
+    the first bad one in a per-device word (a ``cu_seqlens`` index before any sequence). This query covers every
+    call enqueued on ``device`` before it, on any stream and from any thread (it waits for all of the device's
+    work: ``torch.cuda.synchronize(device)``), then reads and resets the word in one atomic exchange and returns a
+    message naming ``cu_seqlens[i]``, or ``state_indices[n]`` (and ``num_accepted_tokens[n]`` after calls with
+    per-token states: the word names the sequence, not which of the two was bad); the outputs of a call with a
+    malformed ``cu_seqlens`` are unspecified, a sequence whose starting index is past the pool, or whose count is
+    outside [1, L], ran from zeros, and no state was written past the pool (no memory outside the pool was
+    touched). Calls enqueued while the query runs are reported by the next query.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if device.type != "cuda":
@@ -257,11 +320,21 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
     C = _ext.load()
     first_bad = int(C.status_word_take(word, index))
     sizes = sorted(_pool_sizes.pop(index, ()))
+    per_token = index in _per_token_devices
+    _per_token_devices.discard(index)
     if first_bad >= C.STATUS_CLEAR:  # (the value of a word that no malformed boundary lowered)
         return None
     if first_bad >= C.STATUS_STATE_INDEX_BASE:
         n = first_bad - C.STATUS_STATE_INDEX_BASE
         pool = f"P = {sizes[0]}" if len(sizes) == 1 else "P of that call; the calls since the last query had P in " + str(sizes)
+        if per_token:
+            slot = f"an entry of state_indices[{n}] is past the pool's last slot ({pool}), or " if sizes else ""
+            return (
+                f"flash_kda: a call on cuda:{device_index(device)} got a malformed state_indices or "
+                f"num_accepted_tokens for sequence {n}: {slot}num_accepted_tokens[{n}] is outside [1, L] (L: "
+                "state_indices.shape[1]); a sequence without a starting slot in the pool ran from a zero state, and "
+                "no state was written to a slot past the pool"
+            )
         return (
             f"flash_kda: a call on cuda:{device_index(device)} got a malformed state_indices: state_indices[{n}] is "
             f"past the pool's last slot ({pool}); that sequence ran from a zero state and wrote no final state"

@@ -458,12 +458,17 @@ def _split_forward(prep: dict, start: torch.Tensor, offsets: list, counts: list,
     return torch.stack(final)
 
 
-def _forward_on(initial_state, final_state, state_indices, forward):
+def _forward_on(initial_state, final_state, state_indices, forward, tokens=None, num_accepted_tokens=None,
+                lengths=None):
     """``forward(initial [N, H, V, K] or None)`` on dense states, or on pools with ``state_indices``
     (``pools.run_pooled``: the final pool is ``final_state`` as it was, or ``initial_state``, with the named slots
-    replaced)."""
+    replaced); with per-token ``state_indices`` [N, L], ``tokens(initial)`` gives the states after each of the first
+    L tokens (``pools.run_pooled_tokens``, sequence lengths ``lengths``)."""
     if state_indices is None:
         return forward(initial_state)
+    if state_indices.dim() == 2:
+        return pools.run_pooled_tokens(lambda initial: (forward(initial)[0], tokens(initial)), initial_state,
+                                       final_state, state_indices, num_accepted_tokens, lengths)
     return pools.run_pooled(forward, initial_state, final_state, state_indices)
 
 
@@ -486,6 +491,15 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
     S[v,:] ⊙= α; r = v_t[v] − tree(S[v,:]·k̂); u = β·r; S[v,:] += u·k̂; o[v] = tree(S[v,:]·q̃); out = bf16(o), with
     ``tree_sum_128``'s order. ``ar``: the kernel's approximate exp2 / sigmoid (``decode_twin_forward``) or, by
     default, exact ones. All sequences advance in lockstep, one token per step."""
+    out, state, _ = _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, ar,
+                               gate_kind, beta_scale)
+    return out, state
+
+
+def _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+               ar: Optional[Arithmetic], gate_kind: str, beta_scale: float, token_states: int = 0):
+    """``recurrent_forward``'s loop: (out, final state, and with ``token_states`` = L > 0 the fp32 state after each of
+    the first L tokens [N, L, H, V, K] (past a sequence's end, its state as it stays), else None)."""
     ar = ar or fp32_arithmetic()
     B, T, H, _ = v.shape
     q, k = _key_heads_expanded(q, k, H)
@@ -497,8 +511,12 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
     else:
         state = torch.zeros(N, H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     out = torch.zeros(B * T, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    tokens = (torch.zeros(N, token_states, *state.shape[1:], dtype=torch.float32, device=device) if token_states
+              else None)
     if N == 0 or B * T == 0:
-        return out.view(B, T, H, HEAD_DIM), state
+        if tokens is not None:
+            tokens[:] = state.unsqueeze(1)
+        return out.view(B, T, H, HEAD_DIM), state, tokens
 
     flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
     k_hat, q_t, alpha, beta_act = _prepare_tokens(flat(q), flat(k), flat(g), flat(beta), scale, A_log, dt_bias,
@@ -519,7 +537,21 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
         s = s + u[..., None] * kh
         out[tok] = tree_sum_128(s * qt).to(torch.bfloat16)
         state[active] = s
-    return out.view(B, T, H, HEAD_DIM), state
+        if step < token_states:
+            tokens[:, step] = state
+    if tokens is not None and int(lengths.max()) < token_states:
+        tokens[:, int(lengths.max()):] = state.unsqueeze(1)
+    return out.view(B, T, H, HEAD_DIM), state, tokens
+
+
+def token_states_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                         token_states: int, ar: Optional[Arithmetic] = None, *, gate_kind: str = "lower_bound",
+                         beta_scale: float = 1.0) -> torch.Tensor:
+    """The state after each of every sequence's first ``token_states`` = L tokens, fp32 [N, L, H, V, K], by the
+    decode kernel's token-by-token recurrence (``recurrent_forward``; ``ar`` as there): how every plan produces
+    per-token states (docs/NUMERICS.md, "Per-token states"). Past a sequence's end its state stays as it is."""
+    return _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, ar,
+                      gate_kind, beta_scale, token_states)[2]
 
 
 def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None,
@@ -545,7 +577,7 @@ def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, in
 
 def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
                  segment_chunks=None, decode=None, *, state_indices=None, final_state=None,
-                 gate_kind: str = "lower_bound", beta_scale: float = 1.0):
+                 gate_kind: str = "lower_bound", beta_scale: float = 1.0, num_accepted_tokens=None):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
     ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode kernel
@@ -553,29 +585,48 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
     ``flash_kda.fwd`` would make for these inputs now (its plan, including a plan forced by
     ``flash_kda.testing.force_plan``). With ``state_indices`` [N], ``initial_state`` is a pool [P, H, V, K] and
     the second result is the fp32 pool ``fwd`` leaves: ``final_state`` (the pool before the call; default
-    ``initial_state``) with each named slot replaced. ``gate_kind``, ``beta_scale``, grouped value heads and
-    A_log / dt_bias None as in ``chunked_forward``."""
+    ``initial_state``) with each named slot replaced; with per-token ``state_indices`` [N, L] (and
+    ``num_accepted_tokens``), the pool with the state after each of the first L tokens in its slot, those states
+    from the decode kernel's recurrence whatever the plan (``token_states_forward``). ``gate_kind``, ``beta_scale``,
+    grouped value heads and A_log / dt_bias None as in ``chunked_forward``."""
     if q.device.type != "cuda":
         raise RuntimeError(f"twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
     if segment_chunks is None or decode is None:
         run = planning.plan(q, cu_seqlens, heads=v.shape[2], gate=gate_kind)
         segment_chunks = run.segment_chunks if segment_chunks is None else segment_chunks
         decode = run.decode if decode is None else decode
+    per_token = _token_states(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, cu_seqlens, state_indices,
+                              num_accepted_tokens, kernel_arithmetic(), gate_kind, beta_scale)
     if decode:
         return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_twin_forward(
             q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, gate_kind=gate_kind,
-            beta_scale=beta_scale))
+            beta_scale=beta_scale), **per_token)
     return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
         segment_chunks, gate_kind, beta_scale,
-    ))
+    ), **per_token)
+
+
+def _token_states(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, cu_seqlens, state_indices,
+                  num_accepted_tokens, ar: Arithmetic, gate_kind: str, beta_scale: float) -> dict:
+    """``_forward_on``'s per-token arguments for ``state_indices`` [N, L] (empty otherwise)."""
+    if state_indices is None or state_indices.dim() != 2:
+        return {}
+    B, T = v.shape[:2]
+    return dict(tokens=lambda initial: token_states_forward(
+                    q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, state_indices.shape[1],
+                    ar, gate_kind=gate_kind, beta_scale=beta_scale),
+                num_accepted_tokens=num_accepted_tokens, lengths=sequence_bounds(cu_seqlens, B, T)[2].tolist())
 
 
 def cpu_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None, *,
-                state_indices=None, final_state=None, gate_kind: str = "lower_bound", beta_scale: float = 1.0):
+                state_indices=None, final_state=None, gate_kind: str = "lower_bound", beta_scale: float = 1.0,
+                num_accepted_tokens=None):
     """The same chunked algorithm in fp32 on any device: (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]); with
-    ``state_indices``, pools as in ``twin_forward``."""
+    ``state_indices`` (1-D or per token), pools as in ``twin_forward`` (per-token states by the recurrence in fp32)."""
+    per_token = _token_states(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, cu_seqlens, state_indices,
+                              num_accepted_tokens, fp32_arithmetic(), gate_kind, beta_scale)
     return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, fp32_arithmetic(), 0, gate_kind,
         beta_scale,
-    ))
+    ), **per_token)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from flash_kda._C import Plan
 
 __all__ = ["plan", "plan_for", "workspace_bytes", "host_cu_seqlens_bytes", "host_state_indices_bytes",
-           "host_copies", "sm_count_of", "forced", "forced_plan", "PlanOverrides", "Plan", "V_SPLITS"]
+           "host_num_accepted_tokens_bytes", "host_copies", "sm_count_of", "forced", "forced_plan", "PlanOverrides", "Plan", "V_SPLITS"]
 
 V_SPLITS = (1, 2, 4, 8)
 DEFAULT_SM_COUNT = 132  # an H200/H100 SXM, for plans asked about CPU tensors
@@ -86,31 +86,49 @@ def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, heads: int 
 
 def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                     state_indices: torch.Tensor | None = None, *, heads: int | None = None,
-                    gate: str = "lower_bound") -> int:
+                    gate: str = "lower_bound", num_accepted_tokens: torch.Tensor | None = None) -> int:
     """Bytes of CUDA workspace ``fwd`` needs for inputs shaped like ``q`` [B, T, H, K] (and ``cu_seqlens``,
-    ``state_indices``); with grouped value heads, ``heads=v.shape[2]`` (the value heads HV; None: q.shape[2]), or
-    v in place of q, and with the softplus gate ``gate="softplus"``, as for ``plan``.
+    ``state_indices``, ``num_accepted_tokens``); with grouped value heads, ``heads=v.shape[2]`` (the value heads HV;
+    None: q.shape[2]), or v in place of q, and with the softplus gate ``gate="softplus"``, as for ``plan``.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | q | any | [B, T, H, ·] | the call's q (or v) |
+    | cu_seqlens | int64 / int32 | [N + 1] | the call's sequence boundaries, or None |
+    | state_indices | int64 / int32 | [N] or [N, L] | the call's pool slots, or None |
+    | heads | int | — | the call's value heads HV; None: q.shape[2] |
+    | gate | str | — | the call's ``gate`` |
+    | num_accepted_tokens | int64 / int32 | [N] | the call's accepted-token counts (with [N, L] indices), or None |
 
     Host-only: reads shapes and devices, never tensor contents. It depends on the plan (``plan(q, cu_seqlens)``:
     a time split stores each segment's map, the overlap a ready flag per tail record, the single pass needs no
-    records at all, nor does the decode kernel), which depends on the device's SM count. A CPU ``cu_seqlens`` or
-    ``state_indices`` with CUDA ``q`` adds room for its device copy.
+    records at all, nor does the decode kernel), which depends on the device's SM count. A CPU ``cu_seqlens``,
+    ``state_indices`` (N or N·L int64 slots) or ``num_accepted_tokens`` (N int64 counts) with CUDA ``q`` adds room
+    for its device copy.
     """
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
     kernel_bytes = _plan_and_bytes(q, cu_seqlens, heads, gate)[1]
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     indices_on_host = state_indices is not None and cu_seqlens_on_host(q, state_indices)
-    return host_copies(kernel_bytes, N, cu_on_host, indices_on_host)[2]
+    accepted_on_host = num_accepted_tokens is not None and cu_seqlens_on_host(q, num_accepted_tokens)
+    state_tokens = int(state_indices.shape[1]) if state_indices is not None and state_indices.dim() == 2 else 0
+    return host_copies(kernel_bytes, N, cu_on_host, indices_on_host, accepted_on_host, state_tokens)[3]
 
 
-def host_copies(kernel_bytes: int, num_seqs: int, cu_on_host: bool, indices_on_host: bool) -> tuple[int, int, int]:
-    """(cu_seqlens offset, state_indices offset, total bytes) of the workspace: after the kernels' bytes, on 16-byte
-    boundaries, the device copy of a CPU ``cu_seqlens`` (if any), then that of a CPU ``state_indices`` (if any)."""
+def host_copies(kernel_bytes: int, num_seqs: int, cu_on_host: bool, indices_on_host: bool,
+                accepted_on_host: bool = False, state_tokens: int = 0) -> tuple[int, int, int, int]:
+    """(cu_seqlens offset, state_indices offset, num_accepted_tokens offset, total bytes) of the workspace: after
+    the kernels' bytes, on 16-byte boundaries, the device copy of a CPU ``cu_seqlens`` (if any), then that of a CPU
+    ``state_indices`` (if any: N int64 slots, or N·L with ``state_tokens`` = L > 0, per-token indices [N, L]),
+    then that of a CPU ``num_accepted_tokens`` (if any: N int64 counts). An offset whose copy is absent is where
+    it would start; the total is the kernels' bytes when there is no copy."""
     cu_offset = host_cu_seqlens_offset(kernel_bytes)
     indices_offset = cu_offset + (host_cu_seqlens_bytes(num_seqs) if cu_on_host else 0)
-    if not indices_on_host:
-        return cu_offset, indices_offset, indices_offset if cu_on_host else kernel_bytes
-    return cu_offset, indices_offset, indices_offset + host_state_indices_bytes(num_seqs)
+    slots = num_seqs * state_tokens if state_tokens else num_seqs
+    accepted_offset = indices_offset + (host_state_indices_bytes(slots) if indices_on_host else 0)
+    end = accepted_offset + (host_num_accepted_tokens_bytes(num_seqs) if accepted_on_host else 0)
+    copies = cu_on_host or indices_on_host or accepted_on_host
+    return cu_offset, indices_offset, accepted_offset, end if copies else kernel_bytes
 
 
 def host_cu_seqlens_offset(kernel_bytes: int) -> int:
@@ -125,8 +143,14 @@ def host_cu_seqlens_bytes(num_seqs: int) -> int:
     return -(-8 * (num_seqs + 1) // 16) * 16
 
 
-def host_state_indices_bytes(num_seqs: int) -> int:
-    """Workspace bytes for the device copy of a CPU ``state_indices`` (int64 slots, 16-byte granules)."""
+def host_state_indices_bytes(num_slots: int) -> int:
+    """Workspace bytes for the device copy of a CPU ``state_indices`` of ``num_slots`` entries (N, or N·L for
+    per-token indices [N, L]; int64 slots, 16-byte granules)."""
+    return -(-8 * num_slots // 16) * 16
+
+
+def host_num_accepted_tokens_bytes(num_seqs: int) -> int:
+    """Workspace bytes for the device copy of a CPU ``num_accepted_tokens`` (int64 counts, 16-byte granules)."""
     return -(-8 * num_seqs // 16) * 16
 
 

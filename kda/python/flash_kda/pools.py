@@ -5,6 +5,11 @@ With ``state_indices`` [N], ``initial_state`` and ``final_state`` are pools [P, 
 write nothing. The CUDA kernels follow these rules in place (``state_slot``, kda/csrc/state_slots.cuh); the CPU
 path, the numerics twin and the float64 references run on dense [N, H, V, K] states and use these helpers around
 that: ``gather`` the initial states of the sequences' slots, run, ``scatter`` the final states back.
+
+Per-token states (speculative decoding, fla's and vLLM's contract): with ``state_indices`` [N, L] the state after
+token t of sequence n goes to slot ``state_indices[n, t]`` for t < min(L, length), and sequence n starts from slot
+``state_indices[n, a_n - 1]`` with a_n = ``num_accepted_tokens[n]`` (1 without it); an a_n outside [1, L] means no
+starting slot (zeros). No final state is written apart from these.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["named", "gather", "scatter", "copy_named_slots", "run_pooled"]
+__all__ = ["named", "gather", "scatter", "copy_named_slots", "run_pooled", "start_slots", "run_pooled_tokens"]
 
 
 def named(state_indices: torch.Tensor, pool_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,4 +78,45 @@ def run_pooled(forward: Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, t
     out, dense_final = forward(dense_initial)
     pool = base.to(device=dense_final.device, dtype=dense_final.dtype, copy=True)
     scatter(dense_final, state_indices, pool)
+    return out, pool
+
+
+def start_slots(state_indices: torch.Tensor, num_accepted_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+    """The starting slot of every sequence [N] (int64, on the indices' device) for per-token ``state_indices``
+    [N, L]: ``state_indices[n, a_n - 1]``, a_n = ``num_accepted_tokens[n]`` (1 when None); -1 where a_n is outside
+    [1, L] (no starting slot)."""
+    indices = state_indices.to(torch.int64)
+    N, L = indices.shape
+    if num_accepted_tokens is None:
+        accepted = torch.ones(N, dtype=torch.int64, device=indices.device)
+    else:
+        accepted = num_accepted_tokens.to(device=indices.device, dtype=torch.int64)
+    valid = (accepted >= 1) & (accepted <= L)
+    column = torch.where(valid, accepted - 1, 0)
+    chosen = indices.gather(1, column.unsqueeze(1)).squeeze(1)
+    return torch.where(valid, chosen, -1)
+
+
+def run_pooled_tokens(forward: Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+                      initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
+                      state_indices: torch.Tensor, num_accepted_tokens: Optional[torch.Tensor],
+                      lengths: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense forward ``forward(initial [N, H, V, K] or None) -> (out, token_states [N, L, H, V, K])`` (the state
+    after each of a sequence's first L tokens) run on pools with per-token ``state_indices`` [N, L]: returns (out,
+    final pool), the pool being ``final_state`` as it was before (``initial_state`` when None: in place), in the
+    forward's state dtype, with slot ``state_indices[n, t]`` replaced by the state after token t for every
+    t < min(L, lengths[n]) whose slot is in the pool. Two writes of one slot leave either state (unspecified)."""
+    base = final_state if final_state is not None else initial_state
+    if base is None:
+        raise ValueError("state_indices needs initial_state or final_state (the pools it indexes), got neither")
+    starts = start_slots(state_indices, num_accepted_tokens)
+    dense_initial = gather(initial_state, starts) if initial_state is not None else None
+    out, token_states = forward(dense_initial)
+    pool = base.to(device=token_states.device, dtype=token_states.dtype, copy=True)
+    indices = state_indices.to(device=pool.device, dtype=torch.int64)
+    N, L = indices.shape
+    length = torch.tensor(lengths, dtype=torch.int64, device=pool.device).view(N, 1)
+    step = torch.arange(L, device=pool.device).view(1, L)
+    written = (step < length) & (indices >= 0) & (indices < pool.shape[0])
+    pool[indices[written]] = token_states.to(pool.device)[written].to(pool.dtype)
     return out, pool

@@ -156,7 +156,8 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    initial_state: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, *, state_indices: torch.Tensor | None = None,
                    final_state: torch.Tensor | None = None, gate_kind: str = "lower_bound",
-                   beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   beta_scale: float = 1.0,
+                   num_accepted_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The KDA recurrence of docs/SPEC.md §1 in float64, one token at a time (all sequences and heads at once).
 
     For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t), with
@@ -174,7 +175,8 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     | dt_bias | None / any float | [HV, K] or [HV*K] | gate bias (None: 0) |
     | initial_state | None / any float | [N, HV, V, K] | initial state (None: zeros) |
     | cu_seqlens | int | [N + 1] | optional sequence boundaries (B = 1); validated (synchronises) |
-    | state_indices | int | [N] | optional pool slot of each sequence (negative: none); the states are pools |
+    | state_indices | int | [N] or [N, L] | optional pool slot of each sequence (negative: none), or per-token slots (pools.run_pooled_tokens); the states are pools |
+    | num_accepted_tokens | int | [N] | with [N, L] indices: sequence n starts from slot [n, num_accepted_tokens[n] − 1] |
     | final_state | None / any float | [P, HV, V, K] | with state_indices: the pool before the call (None: initial_state) |
     | gate_kind | str | — | "lower_bound" or "softplus" (``gate``) |
     | beta_scale | float | — | β's factor: 1, or 2 for ``flash_kda.fwd``'s ``allow_neg_eigval`` |
@@ -182,6 +184,13 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     Returns (out float64 [B, T, HV, V], final_state float64 [N, HV, V, K]) on the inputs' device; with
     ``state_indices``, the final pool float64 [P, HV, V, K] ``flash_kda.fwd`` leaves.
     """
+    if state_indices is not None and state_indices.dim() == 2:  # per-token states
+        lengths = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, None, cu_seqlens, gate_kind,
+                           beta_scale).lengths
+        return pools.run_pooled_tokens(
+            lambda initial: _loop(_problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens,
+                                           gate_kind, beta_scale), token_states=state_indices.shape[1])[::2],
+            initial_state, final_state, state_indices, num_accepted_tokens, lengths)
     if state_indices is not None:
         return pools.run_pooled(
             lambda initial: reference_loop(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens,
@@ -189,9 +198,19 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             initial_state, final_state, state_indices)
     p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, gate_kind,
                  beta_scale)
+    out, S, _ = _loop(p)
+    return out, S
+
+
+def _loop(p: _Problem, token_states: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """reference_loop's token loop: (out [B, T, H, V], S after each sequence's last token [N, H, V, K], and with
+    ``token_states`` = L > 0 the state after each of the first L tokens [N, L, H, V, K] (a sequence's state stays
+    as it is past its last token), else None), float64."""
     B, T, H, K, V = p.shape
     out = torch.zeros(B * T, H, V, dtype=_F64, device=p.device)
     S = p.state
+    tokens = (torch.zeros(S.shape[0], token_states, *S.shape[1:], dtype=_F64, device=p.device) if token_states
+              else None)
     L = max(p.lengths, default=0)
     block = max(1, _BLOCK_TOKEN_HEADS // max(1, len(p.lengths) * H))
     for t0 in range(0, L, block):
@@ -204,8 +223,12 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             r = x["v"][:, :, t] - (S @ kt.unsqueeze(-1)).squeeze(-1)  # [N, H, V]
             S = S + x["beta"][:, :, t, None, None] * r.unsqueeze(-1) * kt.unsqueeze(-2)
             o[:, :, t] = (S @ (p.scale * x["q"][:, :, t]).unsqueeze(-1)).squeeze(-1)
+            if t0 + t < token_states:
+                tokens[:, t0 + t] = S
         p.scatter(out, t0, t1, o)
-    return out.reshape(B, T, H, V), S
+    if tokens is not None and L < token_states:  # (tokens past every sequence's end: the state as it stays)
+        tokens[:, L:] = S.unsqueeze(1)
+    return out.reshape(B, T, H, V), S, tokens
 
 
 _SAFE_DECAY = 600.0  # a chunk's decay e^Γ down to e^-600 keeps e^{±G} normal in float64 (limit e^±708)

@@ -1,6 +1,6 @@
 """Argument checks of ``flash_kda.fwd``: the ordered checks that name the first problem, the tight pass that
-accepts a well-formed call in a third of their host time, and the host checks of the contents of ``cu_seqlens``
-and ``state_indices``.
+accepts a well-formed call in a third of their host time, and the host checks of the contents of ``cu_seqlens``,
+``state_indices`` and ``num_accepted_tokens``.
 
 Checks run in the order arch -> dtype -> device -> layout -> shape -> values; every message names the argument
 and shows the offending value.
@@ -14,7 +14,8 @@ import os
 
 import torch
 
-__all__ = ["validate", "well_formed", "check_cu_seqlens", "check_state_indices", "check_arch", "device_capability",
+__all__ = ["validate", "well_formed", "check_cu_seqlens", "check_state_indices", "check_num_accepted_tokens",
+           "sequence_lengths", "check_arch", "device_capability",
            "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM", "LOWER_BOUND_RANGE",
            "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
 
@@ -28,7 +29,8 @@ PARAM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # A_log, 
 GATE_CODES = {"lower_bound": 0, "softplus": 1}
 CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
 STATE_INDEX_DTYPES = (torch.int64, torch.int32)
-HOST_INDEX_ARGS = ("cu_seqlens", "state_indices")  # may be on the CPU beside CUDA tensors (validated there)
+# May be on the CPU beside CUDA tensors (validated there, then copied into the workspace).
+HOST_INDEX_ARGS = ("cu_seqlens", "state_indices", "num_accepted_tokens")
 ALIGNMENT = 16  # bytes: q, k, v, g, out, dt_bias and the states are read/written with 16-byte accesses
 MAX_HEADS = 65535  # the kernels launch heads along a grid's y dimension, whose limit this is
 FP32_OVERFLOW = 3.4028235677973366e38  # a float of this magnitude or more rounds to ±inf in float32
@@ -40,7 +42,7 @@ CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
 
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-             workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, *,
+             workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None, *,
              concrete: bool) -> tuple[int, int, int, int, int]:
     """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns
     (B, T, HV, N, H): batch, tokens, value heads (the heads of v, out, the states and the kernels' grid),
@@ -48,18 +50,19 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
 
     ``concrete=False`` (fake tensors while tracing for torch.compile) skips what needs real storage or a real
     device: the compute capability, the alignment of data pointers and the contents of ``cu_seqlens``. The
-    contents of ``state_indices`` are checked by ``check_state_indices`` where they are on the host.
+    contents of ``state_indices`` and ``num_accepted_tokens`` are checked by ``check_state_indices`` and
+    ``check_num_accepted_tokens`` where they are on the host.
     """
     if concrete:
         dims = well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval)
+                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens)
         if dims is not None:
             return dims
     # Something is off (or unusual, e.g. an int scale): the checks below, in order, name the first problem.
     tensors = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log, "dt_bias": dt_bias,
         "initial_state": initial_state, "final_state": final_state, "cu_seqlens": cu_seqlens,
-        "state_indices": state_indices,
+        "state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens,
     }  # fmt: skip
     given = {name: t for name, t in tensors.items() if t is not None}
     for name, t in given.items():
@@ -89,10 +92,12 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         raise TypeError(f"cu_seqlens must be int64 or int32, got {cu_seqlens.dtype=}")
     if state_indices is not None and state_indices.dtype not in STATE_INDEX_DTYPES:
         raise TypeError(f"state_indices must be int64 or int32, got {state_indices.dtype=}")
+    if num_accepted_tokens is not None and num_accepted_tokens.dtype not in STATE_INDEX_DTYPES:
+        raise TypeError(f"num_accepted_tokens must be int64 or int32, got {num_accepted_tokens.dtype=}")
 
-    # --- device: one device for everything, except that cu_seqlens and state_indices may also be on the CPU with
-    # CUDA tensors (then they are validated on the host, where that costs no synchronisation, and copied to the
-    # device).
+    # --- device: one device for everything, except that cu_seqlens, state_indices and num_accepted_tokens may also
+    # be on the CPU with CUDA tensors (then they are validated on the host, where that costs no synchronisation, and
+    # copied to the device).
     if not on_cuda and device.type != "cpu":
         raise ValueError(f"tensors must be on a CUDA or CPU device, got {q.device=}")
     for name, t in given.items():
@@ -117,7 +122,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         # a view that starts mid-row may not.
         aligned = {**given, "workspace": workspace} if workspace is not None else given
         for name, t in aligned.items():
-            if t.data_ptr() % ALIGNMENT and name not in ("beta", "A_log", "cu_seqlens", "state_indices"):
+            if t.data_ptr() % ALIGNMENT and name not in ("beta", "A_log", *HOST_INDEX_ARGS):
                 raise ValueError(
                     f"{name} must start at a {ALIGNMENT}-byte aligned address on CUDA, got "
                     f"{name}.data_ptr() % {ALIGNMENT} = {t.data_ptr() % ALIGNMENT} (a view with a storage offset?)"
@@ -168,9 +173,10 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
                     f"{name} must have shape [N, H, V, K] = {[N, HV, V, K]}, got {name}.shape={tuple(given[name].shape)}"
                 )
     else:
-        if state_indices.dim() != 1 or state_indices.shape[0] != N:
-            raise ValueError(f"state_indices must be 1-D [N] = [{N}] (one slot per sequence), got "
-                             f"{state_indices.shape=}")
+        if state_indices.dim() not in (1, 2) or state_indices.shape[0] != N or (
+                state_indices.dim() == 2 and state_indices.shape[1] < 1):
+            raise ValueError(f"state_indices must be 1-D [N] = [{N}] (one slot per sequence) or 2-D [N, L] = "
+                             f"[{N}, L] with L >= 1 (a slot per token), got {state_indices.shape=}")
         pools = [name for name in ("initial_state", "final_state") if name in given]
         if not pools:
             raise ValueError("state_indices needs initial_state or final_state (the pools [P, H, V, K] it indexes), "
@@ -184,6 +190,18 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
             if shape[0] != P:
                 raise ValueError(f"initial_state and final_state must be pools of one size P, got "
                                  f"{initial_state.shape=} and {final_state.shape=}")
+        if state_indices.dim() == 2 and final_state is None:
+            raise ValueError(f"state_indices [N, L] (per-token states) writes the state after each token into "
+                             f"final_state, got final_state=None with {state_indices.shape=} (pass "
+                             "final_state=initial_state to write the pool in place)")
+    if num_accepted_tokens is not None:
+        if state_indices is None or state_indices.dim() != 2:
+            got = "state_indices=None" if state_indices is None else f"{state_indices.shape=}"
+            raise ValueError(f"num_accepted_tokens needs per-token state_indices [N, L] (it picks each sequence's "
+                             f"starting slot among its L), got {got}")
+        if tuple(num_accepted_tokens.shape) != (N,):
+            raise ValueError(f"num_accepted_tokens must be 1-D [N] = [{N}] (one count per sequence), got "
+                             f"{num_accepted_tokens.shape=}")
     if on_cuda and HV > MAX_HEADS:
         raise ValueError(f"v has H = {HV} heads but the CUDA kernel takes at most {MAX_HEADS} (value heads are a "
                          f"launch grid's y dimension), got {v.shape=}")
@@ -231,8 +249,8 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
 
 
 def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                workspace, state_indices=None, gate="lower_bound",
-                allow_neg_eigval=False) -> tuple[int, int, int, int, int] | None:
+                workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False,
+                num_accepted_tokens=None) -> tuple[int, int, int, int, int] | None:
     """(B, T, HV, N, H) when every check of ``validate`` passes for a call of the usual kind, else None.
 
     Host time per call: the same conditions as ``validate`` in one tight pass (about a third of its cost), with
@@ -296,14 +314,28 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     P = N  # rows of the state tensors: one per sequence, or the pools' slots
     if state_indices is not None:
         if (not isinstance(state_indices, Tensor) or state_indices.dtype not in STATE_INDEX_DTYPES
-                or state_indices.shape != (N,) or not state_indices.is_contiguous()):
+                or not state_indices.is_contiguous()):
             return None
+        index_shape = state_indices.shape
+        if index_shape != (N,):
+            # per-token slots [N, L]: they write only into final_state
+            if len(index_shape) != 2 or index_shape[0] != N or index_shape[1] < 1 or final_state is None:
+                return None
         if state_indices.device != device and not (on_cuda and state_indices.device.type == "cpu"):
             return None
+        if num_accepted_tokens is not None:
+            if (len(index_shape) != 2 or not isinstance(num_accepted_tokens, Tensor)
+                    or num_accepted_tokens.dtype not in STATE_INDEX_DTYPES or num_accepted_tokens.shape != (N,)
+                    or not num_accepted_tokens.is_contiguous()):
+                return None
+            if num_accepted_tokens.device != device and not (on_cuda and num_accepted_tokens.device.type == "cpu"):
+                return None
         pool = initial_state if initial_state is not None else final_state
         if not isinstance(pool, Tensor) or pool.dim() != 4 or pool.shape[0] < 1:
             return None
         P = pool.shape[0]
+    elif num_accepted_tokens is not None:
+        return None
     for t in (initial_state, final_state):
         if t is not None:
             if (not isinstance(t, Tensor) or t.dtype not in STATE_DTYPES or t.device != device
@@ -337,6 +369,8 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
         spans.append((cu_seqlens.data_ptr(), cu_seqlens.nbytes))
     if state_indices is not None and state_indices.device == device:
         spans.append((state_indices.data_ptr(), state_indices.nbytes))
+    if num_accepted_tokens is not None and num_accepted_tokens.device == device:
+        spans.append((num_accepted_tokens.data_ptr(), num_accepted_tokens.nbytes))
     if _spans_overlap(spans):
         return None  # (validate's first_overlap tells the allowed from the refused)
     if allow_neg_eigval is not False and allow_neg_eigval is not True:
@@ -431,7 +465,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         )
 
 
-def check_state_indices(state_indices: torch.Tensor, pool_slots: int, writes: bool) -> None:
+def check_state_indices(state_indices: torch.Tensor, pool_slots: int, writes: bool,
+                        lengths: torch.Tensor | None = None) -> None:
     """Validates the contents of ``state_indices`` on the host (a CUDA tensor synchronises).
 
     ``fwd`` does this for free where the indices are on the CPU; on the device the kernels skip an index past the
@@ -439,30 +474,87 @@ def check_state_indices(state_indices: torch.Tensor, pool_slots: int, writes: bo
 
     | arg | dtype | shape | meaning |
     |---|---|---|---|
-    | state_indices | int64 / int32 | [N] | pool slot of each sequence; negative: none (a padding row) |
+    | state_indices | int64 / int32 | [N] or [N, L] | pool slot of each sequence, or of each of its first L tokens; negative: none (a padding row) |
     | pool_slots | int | — | P, the pools' first dimension |
     | writes | bool | — | whether the call writes the pool (final_state given) |
+    | lengths | int64 / None | [N] | with [N, L] indices: the sequences' lengths (``sequence_lengths``); None: unknown on the host |
 
-    Raises ValueError naming the first index past the pool (>= P), or, when ``writes``, the first two sequences
-    that name one slot (two sequences would write it: the result would be unspecified).
+    Raises ValueError naming the first index past the pool (>= P), or, when ``writes``, the first two writes of
+    one slot (the result would be unspecified): two sequences that name one slot ([N]), or two of the written
+    entries (n, t), t < min(L, lengths[n]), that name one slot ([N, L]; not checked when ``lengths`` is None, as
+    for a CUDA ``cu_seqlens``: which entries are written is then not known on the host).
     """
     indices = state_indices.detach().to("cpu", torch.int64)
-    past = torch.nonzero(indices >= pool_slots)
+    flat = indices.flatten()
+    past = torch.nonzero(flat >= pool_slots)
     if past.numel():
-        n = int(past[0])
-        raise ValueError(f"state_indices[{n}] = {int(indices[n])} is past the pool's last slot (P = {pool_slots}: "
+        i = int(past[0])
+        raise ValueError(f"{_entry(indices, i)} = {int(flat[i])} is past the pool's last slot (P = {pool_slots}: "
                          "the initial_state / final_state pools' first dimension); negative indices mean no slot")
-    if writes and indices.numel() > 1:
-        valid = torch.nonzero(indices >= 0).flatten()
-        slots = indices[valid]
-        ordered, order = torch.sort(slots, stable=True)
-        same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
-        if same.numel():
-            first, second = sorted((int(valid[order[int(same[0])]]), int(valid[order[int(same[0]) + 1]])))
+    if not writes or flat.numel() < 2:
+        return
+    written = flat >= 0
+    if indices.dim() == 2:
+        if lengths is None:
+            return
+        N, L = indices.shape
+        steps = torch.arange(L).view(1, L)
+        written &= (steps < lengths.to("cpu", torch.int64).view(N, 1)).flatten()
+    valid = torch.nonzero(written).flatten()
+    ordered, order = torch.sort(flat[valid], stable=True)
+    same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
+    if same.numel():
+        first, second = sorted((int(valid[order[int(same[0])]]), int(valid[order[int(same[0]) + 1]])))
+        if indices.dim() == 1:
             raise ValueError(
-                f"state_indices[{first}] and state_indices[{second}] both name slot {int(indices[first])}; with "
+                f"state_indices[{first}] and state_indices[{second}] both name slot {int(flat[first])}; with "
                 "final_state given each slot may be named once (two sequences would write it)"
             )
+        raise ValueError(
+            f"{_entry(indices, first)} and {_entry(indices, second)} both name slot {int(flat[first])}; each "
+            "slot may be written once (the state after token t of sequence n goes to state_indices[n, t] for "
+            "t < min(L, the sequence's length))"
+        )
+
+
+def _entry(indices: torch.Tensor, flat_index: int) -> str:
+    """``state_indices[n]`` or ``state_indices[n, t]``: the entry at ``flat_index`` of the flattened indices."""
+    if indices.dim() == 1:
+        return f"state_indices[{flat_index}]"
+    n, t = divmod(flat_index, indices.shape[1])
+    return f"state_indices[{n}, {t}]"
+
+
+def check_num_accepted_tokens(num_accepted_tokens: torch.Tensor, state_tokens: int) -> None:
+    """Validates the contents of ``num_accepted_tokens`` on the host (a CUDA tensor synchronises).
+
+    ``fwd`` does this for free where they are on the CPU; on the device a count outside [1, L] gives its sequence
+    no starting slot (it starts from zeros) and ``flash_kda.last_error`` reports it.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | num_accepted_tokens | int64 / int32 | [N] | a_n: sequence n starts from slot state_indices[n, a_n − 1] |
+    | state_tokens | int | — | L, the per-token ``state_indices``' second dimension |
+
+    Raises ValueError naming the first count outside [1, L].
+    """
+    accepted = num_accepted_tokens.detach().to("cpu", torch.int64)
+    outside = torch.nonzero((accepted < 1) | (accepted > state_tokens)).flatten()
+    if outside.numel():
+        n = int(outside[0])
+        raise ValueError(
+            f"num_accepted_tokens[{n}] = {int(accepted[n])} is outside [1, L] = [1, {state_tokens}] (L: "
+            f"state_indices.shape[1]; sequence n starts from slot state_indices[n, num_accepted_tokens[n] - 1])"
+        )
+
+
+def sequence_lengths(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int) -> torch.Tensor:
+    """The sequences' lengths, int64 [N] on the CPU: ``seqlen`` for each of the ``batch`` rows without
+    ``cu_seqlens``, else its differences (reads a CUDA ``cu_seqlens``: a synchronisation)."""
+    if cu_seqlens is None:
+        return torch.full((batch,), seqlen, dtype=torch.int64)
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    return cu[1:] - cu[:-1]
 
 
 def pool_slots(initial_state: torch.Tensor | None, final_state: torch.Tensor | None, num_seqs: int,
