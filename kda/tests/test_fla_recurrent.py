@@ -15,7 +15,8 @@ switch, read at every call). A call the backend takes must
   16 tokens, the general ones otherwise).
 
 The model options run the same checks: the softplus gate (``lower_bound=None``), negative eigenvalues and grouped
-value heads (value heads G·H over H key heads), in pools and in rows.
+value heads (value heads G·H over H key heads), in pools and in rows. So does speculative verification: 2-D
+``ssm_state_indices`` [N, L] with ``num_accepted_tokens`` (the state after each token in its own slot).
 
 A call the backend refuses runs fla's kernel (no call reaches flash_kda.fwd). A fresh process shows that fla's
 behaviour is unchanged until ``register()`` is called.
@@ -127,20 +128,21 @@ def _gate(x: dict) -> tuple[float | None, str, bool]:
                                                                                              False)
 
 
-def _direct(x: dict, initial_state, final_state, state_indices=None) -> torch.Tensor:
+def _direct(x: dict, initial_state, final_state, state_indices=None, num_accepted_tokens=None) -> torch.Tensor:
     out = torch.empty_like(x["v"])
     lower_bound, gate, neg = _gate(x)
     direct_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, out, x["A_log"], x["dt_bias"].view(x["HV"], D),
                lower_bound, initial_state=initial_state, final_state=final_state, cu_seqlens=x["cu_seqlens"],
-               state_indices=state_indices, gate=gate, allow_neg_eigval=neg)
+               state_indices=state_indices, num_accepted_tokens=num_accepted_tokens, gate=gate, allow_neg_eigval=neg)
     return out
 
 
-def _reference(x: dict, initial_state, state_indices=None):
+def _reference(x: dict, initial_state, state_indices=None, num_accepted_tokens=None):
     lower_bound, gate, neg = _gate(x)
     return reference.reference_loop(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, x["A_log"], x["dt_bias"],
                                     lower_bound, initial_state, x["cu_seqlens"], state_indices=state_indices,
-                                    gate_kind=gate, beta_scale=2.0 if neg else 1.0)
+                                    num_accepted_tokens=num_accepted_tokens, gate_kind=gate,
+                                    beta_scale=2.0 if neg else 1.0)
 
 
 def _check(x: dict, ours: tuple, fla: tuple, ref: tuple, state_dtype, rows=None) -> None:
@@ -206,6 +208,52 @@ def test_decode_with_pool_reaches_flash_kda(case, state_dtype, fwd_calls, fla_ow
     compare.assert_bitwise_equal(our_pool[unnamed], pool[unnamed], "unnamed slots (ours)")
     compare.assert_bitwise_equal(fla_pool[unnamed], pool[unnamed], "unnamed slots (fla)")
     _check(x, (out, our_pool), (fla_out, fla_pool), _reference(x, pool, indices), state_dtype, rows=indices.long())
+
+
+# --- speculative verification: 2-D ssm_state_indices [N, L] and num_accepted_tokens [N], in place ----------
+
+SPEC_CASES = {
+    "varlen_N8_4_tokens": dict(seqlens=(4,) * 8),
+    # fewer tokens than slots in some rows (those slots stay as they were); a serving engine's Kimi Linear
+    "varlen_N6_mixed_gva2_softplus": dict(seqlens=(4, 1, 3, 4, 2, 4), G=2, options="softplus"),
+}
+SPEC_SLOTS = 4  # L: slots per sequence
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16_pool", "fp32_pool"])
+@pytest.mark.parametrize("case", list(SPEC_CASES), ids=list(SPEC_CASES))
+def test_spec_decoding_token_states_reach_flash_kda(case, state_dtype, fwd_calls, fla_own):
+    """fla's contract: sequence n starts from slot ssm_state_indices[n, num_accepted_tokens[n] − 1] and the state
+    after its token t goes to slot ssm_state_indices[n, t]. One flash_kda.fwd call, equal bit for bit to a direct
+    call; the written slots agree with fla's Triton kernel and meet the float64 bounds; other slots keep their bits."""
+    x = _inputs(**SPEC_CASES[case])
+    N, L = x["N"], SPEC_SLOTS
+    P = N * L + 3
+    pool = torch.randn(P, x["HV"], D, D, generator=x["gen"], device="cuda").to(state_dtype)
+    indices = torch.randperm(P, generator=x["gen"], device="cuda")[:N * L].view(N, L).to(torch.int32)
+    accepted = torch.randint(1, L + 1, (N,), generator=x["gen"], device="cuda", dtype=torch.int32)
+    lengths = torch.tensor(SPEC_CASES[case]["seqlens"], device="cuda")
+    written = indices.long()[torch.arange(L, device="cuda").view(1, L) < lengths.view(N, 1)]
+    unnamed = torch.ones(P, dtype=torch.bool, device="cuda")
+    unnamed[written] = False
+    spec = dict(ssm_state_indices=indices, num_accepted_tokens=accepted)
+
+    fla_pool = pool.clone()
+    fla_out, _ = fla_own(lambda: _call(x, initial_state=fla_pool, inplace_final_state=True, **spec))
+    assert fwd_calls == [], "FLA_FLASH_KDA=0 still reached flash_kda.fwd"
+
+    our_pool = pool.clone()
+    out, final = _call(x, initial_state=our_pool, inplace_final_state=True, **spec)
+    assert fwd_calls == [True], f"expected one flash_kda.fwd call with state_indices, got {fwd_calls}"
+    assert final is our_pool, "in place, fla returns the pool itself"
+
+    direct_pool = pool.clone()
+    direct_out = _direct(x, direct_pool, direct_pool, indices, accepted)
+    compare.assert_bitwise_equal(out, direct_out, "out")
+    compare.assert_bitwise_equal(our_pool, direct_pool, "pool")
+    compare.assert_bitwise_equal(our_pool[unnamed], pool[unnamed], "slots no token names (ours)")
+    ref = _reference(x, pool, indices, accepted)
+    _check(x, (out, our_pool), (fla_out, fla_pool), ref, state_dtype, rows=written)
 
 
 # --- multi-token varlen rows (and fixed length) without indices ----------------------------------------------
@@ -281,12 +329,6 @@ def _refused_call(case: str, x: dict):
             return _fla_fwd()(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=None, dt_bias=x["dt_bias"],
                               initial_state=state, output_final_state=True, inplace_final_state=False,
                               cu_seqlens=x["cu_seqlens"], **{**FLAGS, "lower_bound": None})
-    if case == "spec_decoding":  # two tokens a sequence, a slot per token, the accepted count picks the start
-        pool = torch.randn(2 * x["N"], H, D, D, generator=x["gen"], device="cuda")
-        indices = torch.arange(2 * x["N"], dtype=torch.int32, device="cuda").view(x["N"], 2)
-        accepted = torch.ones(x["N"], dtype=torch.int32, device="cuda")
-        return _call(x, initial_state=pool, inplace_final_state=True, ssm_state_indices=indices,
-                     num_accepted_tokens=accepted)
     if case == "requires_grad":
         q = x["q"].clone().requires_grad_(True)
         with torch.enable_grad():
@@ -296,7 +338,7 @@ def _refused_call(case: str, x: dict):
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["no_gate_in_kernel", "softplus_without_A_log", "spec_decoding", "requires_grad"])
+@pytest.mark.parametrize("case", ["no_gate_in_kernel", "softplus_without_A_log", "requires_grad"])
 def test_refused_calls_run_fla_kernel(case, fwd_calls):
     x = _inputs(seqlens=(2, 2, 2))
     out, final = _refused_call(case, x)
