@@ -105,3 +105,37 @@ def test_replay_after_new_contents_equals_eager(shape):
         assert torch.equal(x["out"], eager_out), f"replay {step}: out differs from an eager call"
         if eager_final is not None:
             assert torch.equal(x["final_state"], eager_final), f"replay {step}: final_state differs"
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["decode_pool", "per_token_states"])
+def test_capture_needing_no_workspace_on_a_fresh_stream(per_token):
+    """A decode call (the state in registers: no workspace) captured on a stream flash_kda has never seen, without
+    reserve_workspace or workspace=: nothing to allocate, so the capture works; the replay equals an eager call."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    N, H, L = 8, 4, 4
+    x = _buffers(N, 1 if not per_token else 2, H, N, None, None)
+    _fill(x, gen)
+    pool = torch.randn(N * L, H, D, D, generator=gen, device="cuda").to(torch.bfloat16)
+    indices = torch.randperm(N * L, generator=gen, device="cuda").to(torch.int32)
+    indices = indices.view(N, L) if per_token else indices[:N]
+    assert flash_kda.workspace_bytes(x["q"], None) == 0 and flash_kda.plan(x["q"], None).decode
+
+    def call(state_pool):
+        flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["out"], x["A_log"], x["dt_bias"], -5.0,
+                      initial_state=state_pool, final_state=state_pool, state_indices=indices)
+
+    captured = pool.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        call(captured)
+    torch.cuda.current_stream().wait_stream(side)
+    captured.copy_(pool)
+    graph.replay()
+    replay_out = x["out"].clone()
+    eager = pool.clone()
+    call(eager)
+    torch.cuda.synchronize()
+    assert torch.equal(replay_out, x["out"]), "out of the replay differs from an eager call"
+    assert torch.equal(captured, eager), "pool of the replay differs from an eager call"

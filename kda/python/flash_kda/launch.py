@@ -94,7 +94,9 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     else:
         nbytes = kernel_bytes
     if workspace is None:
-        workspace = (_cached_workspace(index, stream, nbytes) if cached_workspace
+        # A call that needs no bytes (the decode kernel) takes none: no cache lookup, and a CUDA graph may capture
+        # it on any stream without reserve_workspace.
+        workspace = (_NO_WORKSPACE if nbytes == 0 else _cached_workspace(index, stream, nbytes) if cached_workspace
                      else torch.empty(nbytes, dtype=torch.uint8, device=q.device))
     elif workspace.numel() < nbytes:
         raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
@@ -353,6 +355,7 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
 # on a cached buffer keeps its address for every replay, so a buffer handed to a capture is never freed: when the
 # cache outgrows it, it moves to _held_by_graphs for the life of the process.
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_NO_WORKSPACE = torch.empty(0, dtype=torch.uint8)  # (only its address 0 and size 0 reach the kernel)
 _captured: set[int] = set()  # data_ptr of cached buffers a capture has used
 _held_by_graphs: list[torch.Tensor] = []
 _workspaces_lock = threading.Lock()
