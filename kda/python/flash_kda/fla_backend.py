@@ -229,6 +229,14 @@ def _gate_problem(lower_bound, A_log, scale) -> str | None:
     return None
 
 
+def _kda_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                 lower_bound, A_log, scale) -> str | None:
+    """The first reason the flags or the gate ask for something other than flash_kda.fwd's KDA, or None (both
+    verifiers)."""
+    reason = _flags_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+    return reason if reason is not None else _gate_problem(lower_bound, A_log, scale)
+
+
 def _tensors_problem(tensors: dict, host_ok: tuple[str, ...]) -> str | None:
     """Types, grad, device, dtypes of the given tensors (None entries are absent); ``host_ok`` may be on the CPU."""
     for name in ("q", "k", "v", "g", "beta"):
@@ -314,9 +322,8 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
         return f"arguments fla 0.6's signature does not name: {sorted(kwargs)}"
     if num_accepted_tokens is not None and (ssm_state_indices is None or ssm_state_indices.dim() != 2):
         return "num_accepted_tokens without 2-D ssm_state_indices [N, L] (fla reads it only with per-token slots)"
-    reason = _flags_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
-    if reason is None:
-        reason = _gate_problem(lower_bound, A_log, scale)
+    reason = _kda_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                          lower_bound, A_log, scale)
     if reason is not None:
         return reason
     if inplace_final_state and initial_state is None:
@@ -465,9 +472,8 @@ def chunk_unsupported(q, k, v, g, beta, scale=None, initial_state=None, output_f
         return "cp_context (context parallel) is not supported"
     if return_intermediate_states:
         return "return_intermediate_states is not supported (flash_kda.fwd keeps no per-chunk states)"
-    reason = _flags_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
-    if reason is None:
-        reason = _gate_problem(lower_bound, A_log, scale)
+    reason = _kda_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                          lower_bound, A_log, scale)
     if reason is not None:
         return reason
     if safe_gate and (lower_bound is None or not lower_bound < 0):
