@@ -1,9 +1,10 @@
-"""What the tests of fla's paths share (test_fla, test_fla_recurrent, test_fla_layer): fla's kernels on demand, and
-fla's KimiDeltaAttention layer without importing every fla layer."""
+"""What the tests of fla's paths share (test_fla, test_fla_recurrent, test_fla_layer): fla's kernels on demand,
+fla's KimiDeltaAttention layer without importing every fla layer, and a script run in a fresh process."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import types
 
@@ -34,3 +35,12 @@ def kda_layer_class():
     from fla.layers.kda import KimiDeltaAttention  # noqa: PLC0415
 
     return KimiDeltaAttention
+
+
+def assert_fresh_process_ok(script: str) -> None:
+    """Runs ``script`` in a fresh interpreter with this one's import path (fla's dispatch switch unset) and requires
+    it to exit 0 and print "fresh process ok": what fla does before anything here has registered a backend."""
+    env = {k: v for k, v in os.environ.items() if k != "FLA_FLASH_KDA"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "fresh process ok" in result.stdout, result.stdout + result.stderr

@@ -26,9 +26,6 @@ at every call).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -36,7 +33,7 @@ import torch
 
 import flash_kda
 import flash_kda.fla_backend
-from fla_support import fla_own, kda_layer_class  # noqa: F401 (fla_own: a fixture)
+from fla_support import assert_fresh_process_ok, fla_own, kda_layer_class  # noqa: F401 (fla_own: a fixture)
 from flash_kda import compare, reference
 from flash_kda.api import fwd as direct_fwd  # (not the counting wrapper the tests put on flash_kda.fwd)
 
@@ -358,8 +355,4 @@ _FRESH_PROCESS = textwrap.dedent("""
 
 
 def test_fla_unchanged_until_register_in_fresh_process():
-    env = {k: v for k, v in os.environ.items() if k != "FLA_FLASH_KDA"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    result = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0 and "fresh process ok" in result.stdout, result.stdout + result.stderr
+    assert_fresh_process_ok(_FRESH_PROCESS)
