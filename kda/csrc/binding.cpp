@@ -407,32 +407,19 @@ PYBIND11_MODULE(_C, m) {
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),
         "Whether fwd's state update adds bf16(U - bf16(U))·Kr after bf16(U)·Kr for this lower_bound (slow decay).");
-  m.def(
-      "ex2_approx",
-      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
-        elementwise(kda::Elementwise::kEx2Approx, x, y, n, s);
-      },
-      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"), "y = ex2.approx.ftz.f32(x), fp32 arrays.");
-  m.def(
-      "tanh_approx",
-      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
-        elementwise(kda::Elementwise::kTanhApprox, x, y, n, s);
-      },
-      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"), "y = tanh.approx.f32(x), fp32 arrays.");
-  m.def(
-      "sigmoid_approx",
-      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
-        elementwise(kda::Elementwise::kSigmoidApprox, x, y, n, s);
-      },
-      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"),
-      "y = 0.5 * tanh.approx.f32(0.5 * x) + 0.5 (each step rounded), fp32 arrays.");
-  m.def(
-      "softplus_log2",
-      [](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) {
-        elementwise(kda::Elementwise::kSoftplusLog2, x, y, n, s);
-      },
-      py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"),
-      "y = log2(1 + e^x) as the softplus gate computes it (gate.cuh, softplus_log2), fp32 arrays.");
+  // The approximate instructions the twin takes from the device (numerics.py): y = op(x) over fp32 arrays.
+  const auto def_elementwise = [&m](const char* name, kda::Elementwise op, const char* doc) {
+    m.def(
+        name,
+        [op](std::uintptr_t x, std::uintptr_t y, int64_t n, std::uintptr_t s) { elementwise(op, x, y, n, s); },
+        py::arg("x"), py::arg("y"), py::arg("n"), py::arg("stream"), doc);
+  };
+  def_elementwise("ex2_approx", kda::Elementwise::kEx2Approx, "y = ex2.approx.ftz.f32(x), fp32 arrays.");
+  def_elementwise("tanh_approx", kda::Elementwise::kTanhApprox, "y = tanh.approx.f32(x), fp32 arrays.");
+  def_elementwise("sigmoid_approx", kda::Elementwise::kSigmoidApprox,
+                  "y = 0.5 * tanh.approx.f32(0.5 * x) + 0.5 (each step rounded), fp32 arrays.");
+  def_elementwise("softplus_log2", kda::Elementwise::kSoftplusLog2,
+                  "y = log2(1 + e^x) as the softplus gate computes it (gate.cuh, softplus_log2), fp32 arrays.");
   m.def(
       "mma_bf16",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t d, int64_t batch, int m_, int n_,
