@@ -150,7 +150,7 @@ struct type_caster<FwdTensors> {
   PYBIND11_TYPE_CASTER(FwdTensors, const_name("tuple[int, int, int, int, int, int, int, int, int, int, int, bool, "
                                                "int, bool, int, bool, int, bool, int, bool, int, bool]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 20);
+    TupleReader r(src, 22);
     FwdTensors& t = value;
     t.q = r.integer<std::uintptr_t>();
     t.k = r.integer<std::uintptr_t>();
