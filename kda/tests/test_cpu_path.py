@@ -426,20 +426,27 @@ TOKEN_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(TOKEN_CASES))
-def test_per_token_states_match_the_token_loop(name: str) -> None:
-    """fwd with state_indices [N, L] (and num_accepted_tokens) against the float64 token loop with the same
-    arguments: out within the bf16 rounding floor, the written slots within the fp32 / bf16 bounds above, every
-    other slot with its bits (NaN poison, or its initial value in place), the inputs unchanged."""
-    x = token_inputs(**TOKEN_CASES[name])
-    before = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
-                                        "state_indices", "num_accepted_tokens") if x[n] is not None}
+def _pooled_fwd(x: dict, index_names: tuple) -> tuple[dict, torch.Tensor]:
+    """Runs fwd(**x) on a pool and checks that it left its inputs alone (the initial pool excepted when it is the
+    final pool: in place); returns the inputs and the final pool as they were before the call."""
+    before = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", *index_names)
+              if x[n] is not None}
     pool_before = x["final_state"].clone()
     flash_kda.fwd(**x)
     for n, saved in before.items():
         if n == "initial_state" and x["final_state"] is x["initial_state"]:
             continue  # it is final_state by design
         assert torch.equal(x[n], saved) and x[n].dtype == saved.dtype, f"input {n} modified"
+    return before, pool_before
+
+
+@pytest.mark.parametrize("name", list(TOKEN_CASES))
+def test_per_token_states_match_the_token_loop(name: str) -> None:
+    """fwd with state_indices [N, L] (and num_accepted_tokens) against the float64 token loop with the same
+    arguments: out within the bf16 rounding floor, the written slots within the fp32 / bf16 bounds above, every
+    other slot with its bits (NaN poison, or its initial value in place), the inputs unchanged."""
+    x = token_inputs(**TOKEN_CASES[name])
+    before, pool_before = _pooled_fwd(x, ("state_indices", "num_accepted_tokens"))
 
     names = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "cu_seqlens", "state_indices",
              "num_accepted_tokens")
@@ -585,14 +592,7 @@ def test_checkpoints_match_the_token_loop(name: str) -> None:
     bf16 rounding floor, every slot nothing names with its bits (NaN poison, or its initial value in place), the
     inputs unchanged."""
     x = checkpoint_inputs(**CHECKPOINT_CASES[name])
-    before = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
-                                        "state_indices", "checkpoint_indices") if x[n] is not None}
-    pool_before = x["final_state"].clone()
-    flash_kda.fwd(**x)
-    for n, saved in before.items():
-        if n == "initial_state" and x["final_state"] is x["initial_state"]:
-            continue  # it is final_state by design
-        assert torch.equal(x[n], saved) and x[n].dtype == saved.dtype, f"input {n} modified"
+    before, pool_before = _pooled_fwd(x, ("state_indices", "checkpoint_indices"))
 
     ref_out, ref_pool = _reference_pool(x, before.get("initial_state"), pool_before)
     floor = compare.compare(ref_out.to(torch.bfloat16), ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
