@@ -102,6 +102,8 @@ class Case:
     gate: str = "lower_bound"  # or "softplus" (Kimi Linear's gate; A_log drawn as log U(1, 16), fla's layer init)
     neg_eigval: bool = False  # β = 2·sigmoid (allow_neg_eigval)
     key_heads: Optional[int] = None  # grouped value heads: q and k on this many heads (None: `heads`)
+    spec_tokens: int = 0  # L > 0: per-token states (speculative verification), state_indices [N, L] in place
+    checkpoint_every: int = 0  # C > 0: a checkpoint of every sequence after every C tokens, into a pool
 
     @property
     def tokens(self) -> int:
@@ -116,10 +118,21 @@ class Case:
         return len(self.seqlens) if self.seqlens is not None else self.batch
 
     @property
+    def checkpoints(self) -> int:
+        """Checkpoints the call writes per head (every C tokens of each sequence)."""
+        if not self.checkpoint_every:
+            return 0
+        lengths = self.seqlens if self.seqlens is not None else (self.seqlen,) * self.batch
+        return sum(n // self.checkpoint_every for n in lengths)
+
+    @property
     def floor_bytes(self) -> int:
-        """Bytes the forward must move at least: the token tensors plus each state buffer read or written."""
+        """Bytes the forward must move at least: the token tensors plus each state buffer read or written (per-token
+        states: one read and L writes per sequence-head; checkpoints: one more write each)."""
         per_state = self.num_seqs * self.heads * HEAD_DIM * HEAD_DIM
-        state_bytes = 0 if self.state == "none" else 2 * per_state * STATE_DTYPES[self.state].itemsize
+        states = 1 + self.spec_tokens if self.spec_tokens else 2
+        states_bytes = (states * per_state + self.checkpoints * self.heads * HEAD_DIM * HEAD_DIM)
+        state_bytes = 0 if self.state == "none" else states_bytes * STATE_DTYPES[self.state].itemsize
         key_bytes = 0 if self.key_heads is None else 2 * 2 * HEAD_DIM * self.tokens * (self.heads - self.key_heads)
         return self.token_heads * BYTES_PER_TOKEN_HEAD - key_bytes + state_bytes  # (GVA: q and k on fewer heads)
 
@@ -163,6 +176,12 @@ CASES = [
     Case("T8192 H32 neg eigval", 1, 8192, 32, neg_eigval=True),
     Case("T8192 GVA 16->32", 1, 8192, 32, key_heads=16),
     Case("T8192 GVA 16->32 softplus", 1, 8192, 32, key_heads=16, gate="softplus"),
+    # Serving II (issue 28): speculative verification (the state after each of 4 tokens, accepted starts) and
+    # prefix-cache checkpoints every 1024 tokens (against rows 2 and 7 without them).
+    _decode("spec varlen 128x4 H32 per-token states", [4] * 128, 32, spec_tokens=4),
+    _decode("spec varlen 128x4 H32 per-token states fp32", [4] * 128, 32, spec_tokens=4, state="fp32"),
+    Case("T8192 H32 checkpoints every 1024", 1, 8192, 32, checkpoint_every=1024),
+    Case("T131072 H1 checkpoints every 1024", 1, 131072, 1, checkpoint_every=1024),
 ]
 
 
@@ -220,7 +239,17 @@ def make_inputs(case: Case, device: str, seed: int = 0):
         init = (torch.randn(case.num_seqs, H, HEAD_DIM, HEAD_DIM, generator=gen, device=device) * 0.1)
         init = init.to(torch.bfloat16).float()
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, init=init,
-                n=case.num_seqs, gate=case.gate, neg_eigval=case.neg_eigval)
+                n=case.num_seqs, gate=case.gate, neg_eigval=case.neg_eigval, spec_tokens=case.spec_tokens,
+                checkpoint_every=case.checkpoint_every)
+
+
+def spec_slots(n: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rows' state_indices [N, L] (distinct random slots of a pool of N·L) and num_accepted_tokens [N]
+    (random in [1, L]), int32, the same for every implementation."""
+    gen = torch.Generator(device="cpu").manual_seed(n * tokens)
+    indices = torch.randperm(n * tokens, generator=gen).view(n, tokens).to(device=device, dtype=torch.int32)
+    accepted = torch.randint(1, tokens + 1, (n,), generator=gen).to(device=device, dtype=torch.int32)
+    return indices, accepted
 
 
 def forced_plan():
@@ -294,7 +323,41 @@ def run_flash_kda(inp, state: str, scale: float, lower_bound: float, inplace: bo
     dtype = STATE_DTYPES[state]
     original = None if dtype is None or inp["init"] is None else inp["init"].to(dtype)
     init, final, indices = original, None if original is None else torch.empty_like(original), None
-    if inplace and original is not None:
+    extra = {}
+    if inp["spec_tokens"] and original is not None:
+        # per-token states in place: sequence n starts from slot indices[n, a_n - 1], where outputs() puts its state
+        n, tokens = original.shape[0], inp["spec_tokens"]
+        token_slots, accepted = spec_slots(n, tokens, original.device)
+        starts = token_slots.long().gather(1, accepted.long().view(n, 1) - 1).view(n)
+        init = final = torch.zeros((n * tokens, *original.shape[1:]), dtype=dtype, device=original.device)
+        init[starts] = original
+        extra = dict(state_indices=token_slots, num_accepted_tokens=accepted)
+
+        def spec_call():
+            flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"],
+                          inp["dt_bias"], None if inp["gate"] == "softplus" else lower_bound, initial_state=init,
+                          final_state=final, cu_seqlens=inp["cu_seqlens"], gate=inp["gate"],
+                          allow_neg_eigval=inp["neg_eigval"], **extra)
+
+        def spec_outputs():  # out only: the per-token states are not a final state
+            init[starts] = original
+            spec_call()
+            return out, None
+
+        return spec_call, spec_outputs
+    if inp["checkpoint_every"] and original is not None:
+        # checkpoints: a pool of N final slots then N·M checkpoint slots, sequence n's final state in slot n
+        n = original.shape[0]
+        lengths = (inp["cu_seqlens"].diff().tolist() if inp["cu_seqlens"] is not None
+                   else [inp["q"].shape[1]] * n)
+        m = max(max(lengths) // inp["checkpoint_every"], 1)
+        pool = torch.zeros((n + n * m, *original.shape[1:]), dtype=dtype, device=original.device)
+        pool[:n] = original
+        indices = torch.arange(n, dtype=torch.int32, device=original.device)
+        extra = dict(checkpoint_indices=torch.arange(n, n + n * m, dtype=torch.int32, device=original.device)
+                     .view(n, m), checkpoint_every=inp["checkpoint_every"])
+        init, final = pool, torch.empty_like(pool)
+    elif inplace and original is not None:
         n = original.shape[0]
         gen = torch.Generator(device="cpu").manual_seed(n)
         indices = torch.randperm(2 * n, generator=gen)[:n].to(device=original.device, dtype=torch.int32)
@@ -304,7 +367,7 @@ def run_flash_kda(inp, state: str, scale: float, lower_bound: float, inplace: bo
         flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale, out, inp["A_log"], inp["dt_bias"],
                       None if inp["gate"] == "softplus" else lower_bound, initial_state=init, final_state=final,
                       cu_seqlens=inp["cu_seqlens"], state_indices=indices, gate=inp["gate"],
-                      allow_neg_eigval=inp["neg_eigval"])
+                      allow_neg_eigval=inp["neg_eigval"], **extra)
 
     def outputs():
         if indices is None:
@@ -343,6 +406,13 @@ def run_fla_recurrent(fused_recurrent_kda_fwd, inp, scale: float, lower_bound: f
     state = original.clone()
     one_token = inp["cu_seqlens"] is None and inp["q"].shape[1] == 1
     indices = torch.arange(inp["n"], dtype=torch.int32, device=state.device) if one_token else None
+    accepted, starts = None, None
+    if inp["spec_tokens"]:  # per-token states: the same slots as ours, a pool of N·L fp32 states
+        n, tokens = original.shape[0], inp["spec_tokens"]
+        indices, accepted = spec_slots(n, tokens, original.device)
+        starts = indices.long().gather(1, accepted.long().view(n, 1) - 1).view(n)
+        state = torch.zeros((n * tokens, *original.shape[1:]), dtype=original.dtype, device=original.device)
+        state[starts] = original
     dt_bias = inp["dt_bias"].reshape(-1)
     out = torch.empty_like(inp["v"])
 
@@ -350,10 +420,15 @@ def run_fla_recurrent(fused_recurrent_kda_fwd, inp, scale: float, lower_bound: f
         fused_recurrent_kda_fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                                 dt_bias=dt_bias, initial_state=state, scale=scale, output_final_state=True,
                                 inplace_final_state=True, state_v_first=True, cu_seqlens=inp["cu_seqlens"],
-                                ssm_state_indices=indices, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                ssm_state_indices=indices, num_accepted_tokens=accepted,
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                 use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound, out=out)
 
     def outputs():
+        if starts is not None:
+            state[starts] = original
+            call()
+            return out, None
         state.copy_(original)
         call()
         return out, state

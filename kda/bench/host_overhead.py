@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
     for state, varlen in ((False, False), (True, False), (True, True)):
         x = _inputs(state, varlen)
         direct = _per_call_us(flash_kda.fwd, x)
-        op = _per_call_us(torch.ops.flash_kda.fwd, x, None, None, "lower_bound", False, None)  # all 18 arguments
+        op = _per_call_us(torch.ops.flash_kda.fwd, x, None, None, "lower_bound", False, None, None, 0)  # all 20
         label = ("bf16 state in+out" if state else "no state") + (", cu_seqlens" if varlen else "")
         print(f"| {label} | {direct:.1f} | {op:.1f} |", flush=True)
     # A serving engine's call: the states in a pool of 4 slots, updated in place at slot 2.
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> None:
                                                         device="cuda")
     indices = torch.tensor([2], dtype=torch.int32, device="cuda")
     direct = _per_call_us(flash_kda.fwd, x, state_indices=indices)
-    op = _per_call_us(torch.ops.flash_kda.fwd, x, None, indices, "lower_bound", False, None)
+    op = _per_call_us(torch.ops.flash_kda.fwd, x, None, indices, "lower_bound", False, None, None, 0)
     print(f"| bf16 pool in place, state_indices | {direct:.1f} | {op:.1f} |", flush=True)
     _breakdown(_inputs(False, False))
 

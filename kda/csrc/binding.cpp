@@ -59,15 +59,17 @@ class CurrentDevice {
 //                for None), ParamType codes (0 fp32, 1 bf16, 2 fp16) and bools;
 //   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale):
 //                ints, then floats, then the pools' slot count P (num_seqs without state_indices), q's and k's
-//                heads (GVA: heads is a multiple), the kda::GateKind code, β's scale (1 or 2) and L of per-token
-//                state_indices [N, L] (0: one index per sequence, or none);
+//                heads (GVA: heads is a multiple), the kda::GateKind code, β's scale (1 or 2), L of per-token
+//                state_indices [N, L] (0: one index per sequence, or none), and the checkpoints' M (columns of
+//                checkpoint_indices [N, M]) and C / 16 (chunks between two checkpoints; 0: none);
 //   kda::Plan   the flash_kda.Plan object itself;
 //   FwdLaunch   (workspace, workspace_bytes, status, stream, device): ints (status 0: no error word).
 struct FwdTensors {
   std::uintptr_t q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens, state_indices,
-      num_accepted;
+      num_accepted, checkpoint_indices;
   kda::ParamType A_log_type, dt_bias_type;
-  bool initial_is_fp32, final_is_fp32, cu_seqlens_is_int64, state_indices_is_int64, num_accepted_is_int64;
+  bool initial_is_fp32, final_is_fp32, cu_seqlens_is_int64, state_indices_is_int64, num_accepted_is_int64,
+      checkpoint_indices_is_int64;
 };
 struct FwdShape {
   int64_t batch, seqlen, num_seqs;
@@ -77,6 +79,8 @@ struct FwdShape {
   int key_heads, gate;
   float beta_scale;
   int state_tokens;
+  int64_t checkpoint_cols;
+  int checkpoint_chunks;
 };
 struct FwdLaunch {
   std::uintptr_t workspace;
@@ -144,9 +148,9 @@ namespace pybind11::detail {
 template <>
 struct type_caster<FwdTensors> {
   PYBIND11_TYPE_CASTER(FwdTensors, const_name("tuple[int, int, int, int, int, int, int, int, int, int, int, bool, "
-                                               "int, bool, int, bool, int, bool, int, bool]"));
+                                               "int, bool, int, bool, int, bool, int, bool, int, bool]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 20);
+    TupleReader r(src, 22);
     FwdTensors& t = value;
     t.q = r.integer<std::uintptr_t>();
     t.k = r.integer<std::uintptr_t>();
@@ -168,15 +172,17 @@ struct type_caster<FwdTensors> {
     t.state_indices_is_int64 = r.boolean();
     t.num_accepted = r.integer<std::uintptr_t>();
     t.num_accepted_is_int64 = r.boolean();
+    t.checkpoint_indices = r.integer<std::uintptr_t>();
+    t.checkpoint_indices_is_int64 = r.boolean();
     return r.ok();
   }
 };
 
 template <>
 struct type_caster<FwdShape> {
-  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float, int, int, int, float, int]"));
+  PYBIND11_TYPE_CASTER(FwdShape, const_name("tuple[int, int, int, int, float, float, int, int, int, float, int, int, int]"));
   bool load(handle src, bool) {
-    TupleReader r(src, 11);
+    TupleReader r(src, 13);
     value.batch = r.integer<int64_t>();
     value.seqlen = r.integer<int64_t>();
     value.num_seqs = r.integer<int64_t>();
@@ -188,6 +194,8 @@ struct type_caster<FwdShape> {
     value.gate = r.integer<int>();
     value.beta_scale = r.real();
     value.state_tokens = r.integer<int>();
+    value.checkpoint_cols = r.integer<int64_t>();
+    value.checkpoint_chunks = r.integer<int>();
     return r.ok();
   }
 };
@@ -244,6 +252,10 @@ kda::FwdParams fwd_params(const FwdTensors& t, const FwdShape& shape, const kda:
   p.state_tokens = shape.state_tokens;
   p.num_accepted = ptr<const void>(t.num_accepted);
   p.num_accepted_is_int64 = t.num_accepted_is_int64;
+  p.checkpoint_indices = ptr<const void>(t.checkpoint_indices);
+  p.checkpoint_indices_is_int64 = t.checkpoint_indices_is_int64;
+  p.checkpoint_cols = shape.checkpoint_cols;
+  p.checkpoint_chunks = shape.checkpoint_chunks;
   p.workspace = ptr<void>(launch.workspace);
   p.workspace_bytes = launch.workspace_bytes;
   p.status = ptr<unsigned long long>(launch.status);
@@ -363,6 +375,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("longest_first") = py::none(), py::arg("decode") = py::none(), "A copy with the given fields changed.");
   m.attr("STATUS_CLEAR") = kda::kStatusClear;
   m.attr("STATUS_STATE_INDEX_BASE") = kda::kStatusStateIndexBase;
+  m.attr("STATUS_CHECKPOINT_INDEX_BASE") = kda::kStatusCheckpointIndexBase;
   m.def("status_word_create", &kda::status_word_create, py::arg("device"),
         "Allocates and clears CUDA device `device`'s error word (outside any memory pool); returns its address.");
   m.def(

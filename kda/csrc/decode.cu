@@ -125,7 +125,9 @@ __device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, in
   return r;
 }
 
-template <typename InitT, typename FinalT, GateKind kGate>
+// kCheckpoints: the call asks for checkpoints (a separate instantiation: the kernel runs at its register limit, and
+// calls without them keep their machine code).
+template <typename InitT, typename FinalT, GateKind kGate, bool kCheckpoints>
 __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const FwdParams p) {
   using Ring = DecodeRing<InitT>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kDecodeThreads + threadIdx.x; i <= p.num_seqs;
        i += static_cast<int64_t>(gridDim.x) * kDecodeThreads) {
-    check_call_inputs(p, i);
+    check_call_inputs<kCheckpoints>(p, i);
   }
   if (threadIdx.x == 0) {
     for (int st = 0; st < Ring::kStages; ++st) mbarrier_init(&full[st], 1);
@@ -240,6 +242,15 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
           for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
         }
       }
+      // Checkpoints: the state after every C tokens into its checkpoint slot (state_slots.cuh, checkpoint_slot).
+      if (kCheckpoints && ((t - b.bos + 1) & (kChunk - 1)) == 0) {
+        const int64_t cs = checkpoint_slot(p, it.n, (t - b.bos + 1) / kChunk);
+        if (cs >= 0 && p.final_state != nullptr) {
+          FinalT* dst = static_cast<FinalT*>(p.final_state) + item_offset(p, cs, it) + warp_row0 * kHeadDim + ch0;
+#pragma unroll
+          for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
+        }
+      }
     }
 
     if (p.final_state != nullptr && slot >= 0 && p.state_tokens == 0) {
@@ -252,9 +263,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
 // Persistent CTAs: as many as fit on the device at once (occupancy queried once per kernel and device), never
 // more than there are items.
-template <typename InitT, typename FinalT, GateKind kGate>
+template <typename InitT, typename FinalT, GateKind kGate, bool kCheckpoints>
 void launch_gated(const FwdParams& p, cudaStream_t stream) {
-  constexpr auto kernel = kda_decode_kernel<InitT, FinalT, kGate>;
+  constexpr auto kernel = kda_decode_kernel<InitT, FinalT, kGate, kCheckpoints>;
   constexpr int kSmem = DecodeRing<InitT>::kSmemBytes;
   constexpr int kMaxDevices = 64;
   static int ctas_per_device[kMaxDevices] = {};
@@ -277,7 +288,10 @@ void launch_gated(const FwdParams& p, cudaStream_t stream) {
 
 template <typename InitT, typename FinalT>
 void launch_typed(const FwdParams& p, cudaStream_t stream) {
-  with_gate(p.gate, [&](auto gate) { launch_gated<InitT, FinalT, decltype(gate)::value>(p, stream); });
+  with_gate(p.gate, [&](auto gate) {
+    if (p.checkpoint_chunks > 0) return launch_gated<InitT, FinalT, decltype(gate)::value, true>(p, stream);
+    launch_gated<InitT, FinalT, decltype(gate)::value, false>(p, stream);
+  });
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
+#include "kda/csrc/checkpoint_writer.cuh"
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/dependent_launch.h"
 #include "kda/csrc/device_math.cuh"
@@ -22,14 +24,17 @@
 namespace kda {
 
 // The finishing pass: one CTA per (segment, head, V part) runs the segment's chunks from its true start state
-// and writes its outputs; a sequence's last segment writes final_state. Without a time split a segment is a
+// and writes its outputs (and the checkpoints it passes); a sequence's last segment writes final_state. Without a time split a segment is a
 // whole sequence (blockIdx.x = n) and the start state is the caller's initial state. Both states are those of the
 // sequence's slot (state_slot: entry n, or its pool slot; none for a padding row).
 template <int kWarps, bool kWgmma>
 constexpr int kFinishThreads = (kWarps + (kWgmma ? 1 : 0)) * 32;  // the wgmma CTAs add a producer warp
 // kOverlap: the records past the lead arrive from the tail kernel while this grid runs (produce_records), and the
 // grid completes only after the tail grid has, so that the stream's next work waits for both.
-template <typename InitT, typename FinalT, int kWarps, bool kWgmma, bool kHiLo, bool kOverlap = false>
+// kCheckpoints: the call asks for checkpoints (checkpoint_writer.cuh); instantiations without them keep the
+// step's machine code.
+template <typename InitT, typename FinalT, int kWarps, bool kWgmma, bool kHiLo, bool kOverlap = false,
+          bool kCheckpoints = false>
 __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurrence_kernel(const FwdParams p) {
   using Smem = RecurrenceSmem<kWarps>;
   // Longest first (kda_params.h): the grid is (head, rank), so CTAs start in the order of the sequences' lengths.
@@ -94,7 +99,13 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
     fill_rows(s, 0.f);
   }
 
-  run_chunks<kWarps, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
+  if constexpr (kCheckpoints) {
+    const CheckpointWriter<FinalT> checkpoints{p, n, h, len, v_base, gi, ti};
+    run_chunks<kWarps, true, true, kWgmma, kHiLo, kStages, false, CheckpointWriter<FinalT>>(
+        p, smem, full, n, h, bounds, c0, count, v_base, s, checkpoints);
+  } else {
+    run_chunks<kWarps, true, true, kWgmma, kHiLo>(p, smem, full, n, h, bounds, c0, count, v_base, s);
+  }
 
   const int64_t last_slot = last && p.final_state != nullptr ? state_slot(p, n) : -1;
   if (last_slot >= 0) {
@@ -108,24 +119,33 @@ void launch_finish_pass(const FwdParams& p, cudaStream_t stream) {
   const dim3 grid = p.longest_first ? dim3(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.num_seqs))
                                     : dim3(static_cast<unsigned>(columns), static_cast<unsigned>(p.heads),
                                            static_cast<unsigned>(p.v_split));
-  with_warps(p.v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
-    constexpr int kWarps = decltype(warps)::value;
-    constexpr bool kHiLo = decltype(hi_lo)::value;
-    constexpr bool kWgmma = kUseWgmma<kWarps>;
-    if (p.lead_chunks < 0) {
-      launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo>,
-                         kFinishThreads<kWarps, kWgmma>>(grid, p, stream);
-    } else if constexpr (kWarps == 8) {
-      // The overlap: a programmatic dependent of the tail kernel, which lets it launch once every tail CTA holds
-      // its SM, so that these CTAs take the others (prepare_tail.cu).
-      constexpr auto kKernel = kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo, true>;
-      using Smem = RecurrenceSmem<kWarps>;
-      opt_in_dynamic_smem<kKernel>(Smem::kLaunchBytes);
-      launch_dependent(kKernel, grid, dim3(kFinishThreads<kWarps, kWgmma>), Smem::kLaunchBytes, stream, p);
-    } else {
-      throw std::invalid_argument("flash_kda: the overlap runs v_split 1, got v_split " + std::to_string(p.v_split));
-    }
-  });
+  const auto launch = [&](auto checkpoints) {
+    constexpr bool kCheckpoints = decltype(checkpoints)::value;
+    with_warps(p.v_split, p.lower_bound, [&](auto warps, auto hi_lo) {
+      constexpr int kWarps = decltype(warps)::value;
+      constexpr bool kHiLo = decltype(hi_lo)::value;
+      constexpr bool kWgmma = kUseWgmma<kWarps>;
+      if (p.lead_chunks < 0) {
+        launch_ring_kernel<kWarps, kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo, false, kCheckpoints>,
+                           kFinishThreads<kWarps, kWgmma>>(grid, p, stream);
+      } else if constexpr (kWarps == 8) {
+        // The overlap: a programmatic dependent of the tail kernel, which lets it launch once every tail CTA holds
+        // its SM, so that these CTAs take the others (prepare_tail.cu).
+        constexpr auto kKernel = kda_recurrence_kernel<InitT, FinalT, kWarps, kWgmma, kHiLo, true, kCheckpoints>;
+        using Smem = RecurrenceSmem<kWarps>;
+        opt_in_dynamic_smem<kKernel>(Smem::kLaunchBytes);
+        launch_dependent(kKernel, grid, dim3(kFinishThreads<kWarps, kWgmma>), Smem::kLaunchBytes, stream, p);
+      } else {
+        throw std::invalid_argument("flash_kda: the overlap runs v_split 1, got v_split " +
+                                    std::to_string(p.v_split));
+      }
+    });
+  };
+  if (p.checkpoint_chunks > 0) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
   KDA_CHECK_LAUNCH("kda_recurrence_kernel");
 }
 

@@ -1,4 +1,4 @@
-// The device-side checks of a call's CUDA cu_seqlens and state_indices, which the host cannot read without a
+// The device-side checks of a call's CUDA cu_seqlens, state_indices and checkpoint_indices, which the host cannot read without a
 // synchronisation: each lowers the device's error word (FwdParams::status) to the first malformed index, for
 // flash_kda.last_error. The kernels clamp malformed boundaries and skip slots past the pool on their own (memory
 // stays safe); these only record that the call's results are unspecified. kda_checks.cu runs them in a launch of
@@ -16,6 +16,9 @@ namespace kda {
 
 // Boundary i (0 <= i <= num_seqs): cu[0] must be 0, cu[N] the number of tokens, and cu must not decrease or leave
 // [0, total_tokens]. State index i (i < num_seqs): below pool_slots (negative indices are padding rows, allowed).
+// kCheckpoints: also sequence i's checkpoint_indices entries (the decode kernel's instantiations without
+// checkpoints leave that loop out).
+template <bool kCheckpoints = true>
 __device__ __forceinline__ void check_call_inputs(const FwdParams& p, int64_t i) {
   if (p.status == nullptr) return;
   if (p.cu_seqlens != nullptr && i <= p.num_seqs) {
@@ -38,6 +41,16 @@ __device__ __forceinline__ void check_call_inputs(const FwdParams& p, int64_t i)
       bad = bad || a < 1 || a > p.state_tokens;
     }
     if (bad) atomicMin(p.status, kStatusStateIndexBase + static_cast<unsigned long long>(i));
+  }
+  if (kCheckpoints && p.checkpoint_indices != nullptr && i < p.num_seqs) {  // the sequence's M checkpoint slots
+    bool bad = false;
+    for (int64_t m = 0; m < p.checkpoint_cols; ++m) {
+      const int64_t j = i * p.checkpoint_cols + m;
+      const int64_t index = p.checkpoint_indices_is_int64 ? static_cast<const int64_t*>(p.checkpoint_indices)[j]
+                                                          : static_cast<const int32_t*>(p.checkpoint_indices)[j];
+      bad = bad || index >= p.pool_slots;
+    }
+    if (bad) atomicMin(p.status, kStatusCheckpointIndexBase + static_cast<unsigned long long>(i));
   }
 }
 

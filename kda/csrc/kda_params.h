@@ -240,6 +240,14 @@ struct FwdParams {
   // The per-token pass of a chunked plan (kda_fwd.cu): the decode kernel over each sequence's first state_tokens
   // tokens, writing their states and no output.
   bool states_only;
+  // Prefix-cache checkpoints (state_slots.cuh, checkpoint_slot), with pooled states: with checkpoint_chunks = C / 16
+  // > 0, the state after the first (m + 1)·C tokens of sequence n (m < checkpoint_cols, (m + 1)·C <= its length)
+  // goes to pool slot checkpoint_indices[n, m] of final_state, before the final state; negative or >= pool_slots:
+  // none (the latter reported through `status`).
+  const void* checkpoint_indices;  // int32 or int64 [N, checkpoint_cols] on the device, or null
+  bool checkpoint_indices_is_int64;
+  int64_t checkpoint_cols;
+  int checkpoint_chunks;
 };
 
 // Grid columns (grid.x) of the passes of a call, and so how a CTA column finds its work:

@@ -24,6 +24,8 @@
 
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/recurrence_ring.cuh"
@@ -32,6 +34,12 @@
 #include "kda/csrc/sm90_wgmma.cuh"
 
 namespace kda {
+
+// What run_chunks does with the state after each chunk: nothing (the scan), or the finishing passes' checkpoints
+// (CheckpointWriter, checkpoint_writer.cuh).
+struct NoChunkEnd {
+  __device__ __forceinline__ void operator()(int64_t, const StateRows&) const {}
+};
 
 // Runs chunks c0 .. c0 + count - 1 of (sequence `bounds`, head h) over this warp's 16 state rows `s`.
 // kOutput: compute and store the chunk outputs (the finishing pass); the scan pass only needs the end state.
@@ -43,11 +51,12 @@ namespace kda {
 // kHiLo: the state update adds bf16(Uᵀ − bf16(Uᵀ))·Kr after bf16(Uᵀ)·Kr (slow decay, kda_plan.h).
 // kSelfFed (the single pass): the CTA has already put the chunks' records and value rows into stages 0 .. count - 1
 // of a ring of kRingStages >= count stages and synchronised; the steps then neither copy nor wait.
+// chunk_end(c, s) runs after each step with c, the chunks of the sequence done (c0 + step + 1), and the new state.
 template <int kWarps, bool kOutput, bool kValues, bool kWgmma, bool kHiLo, int kRingStages = kStages,
-          bool kSelfFed = false>
+          bool kSelfFed = false, typename ChunkEnd = NoChunkEnd>
 __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
                                            const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
-                                           StateRows& s) {
+                                           StateRows& s, const ChunkEnd& chunk_end = ChunkEnd{}) {
   using Smem = RecurrenceSmem<kWarps, kRingStages>;
   constexpr int kStages = kRingStages;  // this ring's depth (recurrence_ring.cuh's kStages is the default)
   // CTAs of two warpgroups (the finishing pass) have a producer warp for the records and release each stage on
@@ -387,6 +396,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     }
 
     if constexpr (kOutput && !kOutputFirst) store_outputs();
+    if constexpr (!std::is_same_v<ChunkEnd, NoChunkEnd>) chunk_end(c0 + i + 1, s);
     out_chunk += chunk_stride;
     rows_math -= kChunk;
     stage_index = stage_index + 1 == kStages ? 0 : stage_index + 1;

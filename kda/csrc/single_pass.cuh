@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 
+#include "kda/csrc/checkpoint_writer.cuh"
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/kda_params.h"
@@ -34,7 +35,8 @@ struct SinglePassSmem {
   static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the ring's start
 };
 
-template <typename InitT, typename FinalT, bool kHiLo>
+// kCheckpoints: as the finishing pass's (finish_pass.cuh).
+template <typename InitT, typename FinalT, bool kHiLo, bool kCheckpoints>
 __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kernel(const FwdParams p) {
   using Ring = SinglePassSmem::Ring;
   const int64_t n = blockIdx.x;
@@ -69,6 +71,7 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
       static_cast<const __nv_bfloat16*>(p.v) + bounds.bos * token_stride + h * kHeadDim + v_base;
   const int fill_dst = Ring::value_fill_offset(lane, v_base);
 
+  [[maybe_unused]] const CheckpointWriter<FinalT> checkpoints{p, n, h, len, v_base, gi, ti};
   for (int64_t c0 = 0; c0 < num_chunks; c0 += kSinglePassStages) {
     const int count = static_cast<int>(min(num_chunks - c0, static_cast<int64_t>(kSinglePassStages)));
 #pragma unroll
@@ -90,8 +93,13 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
     cp_async_wait<0>();
     fence_proxy_async_shared();  // the records' stores before the other warps' wgmma reads
     __syncthreads();
-    run_chunks<kSinglePassWarps, true, true, true, kHiLo, kSinglePassStages, true>(p, smem, nullptr, n, h, bounds,
-                                                                                  c0, count, v_base, s);
+    if constexpr (kCheckpoints) {
+      run_chunks<kSinglePassWarps, true, true, true, kHiLo, kSinglePassStages, true, CheckpointWriter<FinalT>>(
+          p, smem, nullptr, n, h, bounds, c0, count, v_base, s, checkpoints);
+    } else {
+      run_chunks<kSinglePassWarps, true, true, true, kHiLo, kSinglePassStages, true>(p, smem, nullptr, n, h, bounds,
+                                                                                    c0, count, v_base, s);
+    }
     __syncthreads();  // every warp's last products have read the ring before the next block overwrites it
   }
 
@@ -112,7 +120,11 @@ void launch_single_pass_kernel(const FwdParams& p, cudaStream_t stream) {
 template <typename InitT, typename FinalT>
 void launch_single_pass_typed(const FwdParams& p, cudaStream_t stream) {
   with_hi_lo(p.lower_bound, [&](auto hi_lo) {
-    launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, decltype(hi_lo)::value>>(p, stream);
+    if (p.checkpoint_chunks > 0) {
+      launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, decltype(hi_lo)::value, true>>(p, stream);
+    } else {
+      launch_single_pass_kernel<kda_single_pass_kernel<InitT, FinalT, decltype(hi_lo)::value, false>>(p, stream);
+    }
   });
 }
 

@@ -13,6 +13,8 @@ constexpr unsigned long long kStatusClear = 1ull << 62;
 // index, so the word still names the first malformed cu_seqlens boundary when there is one (the smallest code
 // wins; flash_kda.last_error decodes both).
 constexpr unsigned long long kStatusStateIndexBase = 1ull << 40;
+// The code of a checkpoint_indices entry outside the pool (sequence n), above the state indices' codes.
+constexpr unsigned long long kStatusCheckpointIndexBase = 1ull << 41;
 
 // Allocates and clears the word of CUDA device `device` (not during graph capture); returns its address.
 std::uintptr_t status_word_create(int device);

@@ -47,6 +47,25 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
   pass does not run), overlap on fixed lengths, and the decode kernel on sequences of more than 16 tokens or a
   chunked plan on shorter ones); cases of more than HEAVY_TOKEN_HEADS token-heads take one forced kind each, in
   turn.
+- ``token_states``: per-token states (speculative verification): ``state_indices`` [N, L] with L in TOKEN_STATE_L
+  and ``num_accepted_tokens`` (random in [1, L] on the device; a few None or on the host), fixed and varlen batches
+  of 0 to 40 tokens per sequence (shorter than, equal to and longer than L), bf16 / fp32 / mixed pools in place and
+  two pools (and a few without an initial pool: every sequence starts from zeros), padding rows and negative
+  entries, int32 / int64 indices on the device or the host, a few softplus-gate, negative-eigenvalue and GVA cases;
+  each under the automatic plan (the decode kernel for these lengths, a chunked plan past 16 tokens per sequence)
+  and forced chunked plans (``decode=False``, a V split of 2, a time split of 2 chunks on sequences of more than 32
+  tokens; and the decode kernel where the automatic plan is a chunked one). The written slots are held to the
+  decode slice's bounds (their states come from the decode kernel's recurrence under every plan), out to the
+  plan's.
+- ``checkpoints``: prefix-cache checkpoints: ``state_indices`` [N] pools with ``checkpoint_indices`` [N, M] (int32
+  and int64, on the device; negative entries) every C in CHECKPOINT_EVERY tokens, fixed and varlen batches with
+  sequences shorter than C, of exactly C and of a few times C (up to about 3000 tokens; empty ones among them),
+  bf16 / fp32 / mixed pools in place and two pools (a few without an initial pool), padding rows (their checkpoints
+  are still written), a few softplus-gate, GVA and negative-eigenvalue cases; each under the
+  automatic plan and forced ones (``_checkpoint_plans``: a V split of 2, time splits of 16 chunks (aligned with
+  C = 256) and 24 (not aligned), the single pass on small shapes, the overlap with a lead of 8 on fixed lengths at
+  H >= 32, the decode kernel on short sequences). Out, every written checkpoint and the final slots are held to the
+  plan's bounds, and out and the final slots must equal those of the same call without checkpoints, bit for bit.
 
 ``Case.H`` is the number of value heads (the heads of v, g, beta, out and the states: what the plan and the
 kernels run over); q and k have ``H // G`` key heads, value head h reading key head ``h // G``.
@@ -82,10 +101,35 @@ DECODE_H = (1, 4, 32)
 DECODE_SEQLENS = ((1,), (1, 1, 1, 1), (4,) * 8, (1, 2, 3, 5, 8, 15), (0, 3, 0, 16), (16,) * 3)
 DECODE_BATCHED_BT = ((8, 1), (4, 3), (3, 16))
 DECODE_FORCED_MAX_TOKENS = 4096  # longest sequence of a forced_decode case
+TOKEN_STATE_L = (2, 4, 8)
+# (shape, H) of the token_states slice: 0 to 40 tokens per sequence, below, at and above every L.
+TOKEN_STATE_SHAPES = (
+    (dict(B=8, T=1), 4), (dict(B=6, T=2), 32), (dict(B=4, T=4), 4), (dict(B=3, T=8), 1), (dict(B=2, T=5), 4),
+    (dict(B=4, T=16), 4), (dict(B=3, T=37), 4), (dict(B=2, T=40), 32),
+    (dict(seqlens=(1, 3, 0, 4, 2)), 4), (dict(seqlens=(1, 2, 3, 5, 8, 15)), 4), (dict(seqlens=(0, 3, 0, 16)), 32),
+    (dict(seqlens=(8, 8, 8, 8)), 1), (dict(seqlens=(20, 3, 0, 40)), 4), (dict(seqlens=(17, 1, 33, 0, 9)), 4),
+    (dict(seqlens=(40,)), 4), (dict(seqlens=(0, 2)), 4),
+)  # fmt: skip
+ACCEPTED = ("cuda", "host", "none")  # num_accepted_tokens on the indices' device, on the host, or None (a_n = 1)
+CHECKPOINT_EVERY = (16, 64, 256, 512, 1024)
+# (C, shape, H) of the checkpoints slice: per C, sequences shorter than C, of exactly C and of a few times C.
+CHECKPOINT_SHAPES = (
+    (16, dict(B=4, T=50), 4), (16, dict(B=2, T=16), 4), (16, dict(seqlens=(5, 16, 0, 47, 33)), 4),
+    (16, dict(B=8, T=16), 8), (16, dict(seqlens=(1, 2, 3, 5, 8, 15, 16)), 4), (16, dict(B=2, T=160), 32),
+    (64, dict(B=3, T=200), 4), (64, dict(B=2, T=64), 8), (64, dict(seqlens=(130, 64, 5, 0, 70)), 4),
+    (64, dict(seqlens=(63, 64, 65, 128)), 4),
+    (256, dict(T=2600), 8), (256, dict(B=2, T=512), 4), (256, dict(seqlens=(2300, 40, 256, 0, 600)), 4),
+    (256, dict(seqlens=(255, 256, 257, 0, 1000)), 4), (256, dict(B=2, T=100), 4), (256, dict(T=2100), 32),
+    (512, dict(seqlens=(2100, 300, 0, 700, 511)), 4), (512, dict(B=2, T=1100), 4), (512, dict(T=512), 32),
+    (512, dict(B=2, T=1100), 32),
+    (1024, dict(B=2, T=3000), 4), (1024, dict(seqlens=(1023, 1024, 0, 2048)), 4), (1024, dict(T=1024), 8),
+    (1024, dict(T=2100), 32),
+)  # fmt: skip
+CHECKPOINT_SINGLE_PASS_TOKEN_HEADS = 8192  # the single pass is forced on checkpoint cases up to this size
 SLICES = (
     "smoke", "fixed_h1_h4", "fixed_h32", "fixed_h96", "varlen", "batched", "long_context", "adversarial",
     "forced_vsplit", "forced_tsplit", "forced_single_pass", "forced_overlap", "pool", "decode", "forced_decode",
-    "gate_softplus", "neg_eigval", "gva",
+    "gate_softplus", "neg_eigval", "gva", "token_states", "checkpoints",
 )  # fmt: skip
 OPTION_SLICES = ("gate_softplus", "neg_eigval", "gva")  # the slices of the gates, negative eigenvalues and GVA
 GATES = ("lower_bound", "softplus")
@@ -146,6 +190,11 @@ class Case:
     G: int = 1  # value heads per key head (GVA when > 1): q and k have H // G heads
     has_A_log: bool = True  # False: A_log=None (exp(A_log) taken as 1)
     has_dt_bias: bool = True  # False: dt_bias=None (taken as 0)
+    state_tokens: int = 0  # L > 0: per-token states, state_indices [N, L] (padding rows: all L entries negative)
+    accepted: str = "cuda"  # with per-token states: num_accepted_tokens (ACCEPTED)
+    checkpoint_every: int = 0  # C > 0: checkpoint_indices [N, checkpoint_cols] beside state_indices [N]
+    checkpoint_int32: bool = False  # with checkpoints: int32 checkpoint_indices (else int64)
+    negative_entries: bool = False  # a fifth of the per-token or checkpoint entries that are written set to -1
     seed: int = -1  # -1: derived from the id
 
     def __post_init__(self) -> None:
@@ -165,6 +214,14 @@ class Case:
         assert self.gate in GATES, self.gate
         assert self.G >= 1 and self.H % self.G == 0, (self.H, self.G)
         assert self.inputs not in SOFTPLUS_RECIPES or self.gate == "softplus", (self.inputs, self.gate)
+        assert self.accepted in ACCEPTED, self.accepted
+        # Per-token states and checkpoints write into final_state, each entry into a slot of its own.
+        assert not self.state_tokens or (self.has_final and not self.checkpoint_every
+                                         and self.pool >= (self.num_seqs - self.padding) * self.state_tokens)
+        assert not self.checkpoint_every or (
+            self.has_final and self.checkpoint_every % 16 == 0
+            and self.pool >= self.num_seqs - self.padding + self.num_seqs * self.checkpoint_cols)
+        assert not self.negative_entries or self.state_tokens or self.checkpoint_every
 
     @property
     def varlen(self) -> bool:
@@ -190,6 +247,12 @@ class Case:
     @property
     def tokens(self) -> int:
         return self.B * self.T
+
+    @property
+    def checkpoint_cols(self) -> int:
+        """M, checkpoints per sequence: one for every C tokens of the longest sequence, and one past it (never
+        written)."""
+        return self.longest // self.checkpoint_every + 1 if self.checkpoint_every else 0
 
     @property
     def key_heads(self) -> int:
@@ -224,6 +287,12 @@ class Case:
             extras.append("A_log=None")
         if not self.has_dt_bias:
             extras.append("dt_bias=None")
+        if self.state_tokens:
+            accepted = "" if self.accepted == "cuda" else f"_accepted={self.accepted}"
+            extras.append(f"tokens{self.state_tokens}{accepted}" + ("_neg" if self.negative_entries else ""))
+        if self.checkpoint_every:
+            extras.append(f"ckpt{self.checkpoint_every}" + ("_idx=int32" if self.checkpoint_int32 else "")
+                          + ("_neg" if self.negative_entries else ""))
         if self.pool:
             extras.append(f"pool{self.pool}" + (f"_pad{self.padding}" if self.padding else "")
                           + ("_idx=int32" if self.indices_int32 else "") + ("_idx=host" if self.indices_on_host else ""))
@@ -606,6 +675,143 @@ def _gva() -> list[Case]:
     return _with_forced_plans(cases)
 
 
+def _token_states() -> list[Case]:
+    """TOKEN_STATE_SHAPES x TOKEN_STATE_L with the pools cycled (dtype, in place or two pools, extra slots, index
+    dtype and device, padding rows, negative entries, num_accepted_tokens), and a few options, mixed dtypes and
+    pools only written; each under the plans of ``_token_state_plans``."""
+    pools = (("bf16", True), ("fp32", False), ("bf16", False), ("fp32", True))  # (pool dtype, in place)
+    accepted = ("cuda", "cuda", "none", "cuda", "host", "cuda", "cuda")
+
+    def case(H: int, L: int, *, extra: int = 2, padding: int = 0, **fields) -> Case:
+        N = len(fields["seqlens"]) if "seqlens" in fields else fields["B"]
+        return Case("token_states", H=H, state_tokens=L, pool=(N - padding) * L + extra, padding=padding, **fields)
+
+    cases = []
+    i = 0
+    for shape, H in TOKEN_STATE_SHAPES:
+        N = len(shape["seqlens"]) if "seqlens" in shape else shape["B"]
+        for L in TOKEN_STATE_L:
+            dt, inplace = pools[i % len(pools)]
+            cases.append(case(H, L, **shape, extra=i % 4, padding=1 if N >= 3 and i % 5 == 2 else 0,
+                              state_dtype=dt, inplace_state=inplace, negative_entries=i % 3 == 1,
+                              accepted=accepted[i % len(accepted)], indices_int32=i % 2 == 1,
+                              indices_on_host=i % 11 == 4))
+            i += 1
+    # The model options (the per-token pass runs each gate, β scale and key-head mapping of the decode kernel).
+    cases += [
+        case(4, 4, B=4, T=4, gate="softplus", inplace_state=True),
+        case(4, 4, B=2, T=5, gate="softplus", inputs="g=U±50", state_dtype="fp32"),
+        case(8, 4, seqlens=(1, 3, 0, 4, 2), G=2, gate="softplus", state_dtype="fp32", negative_entries=True),
+        case(8, 8, B=3, T=37, G=4, inplace_state=True),
+        case(4, 8, seqlens=(20, 3, 0, 40), neg_eigval=True, accepted="host"),
+        case(8, 2, seqlens=(17, 1, 33, 0, 9), G=2, gate="softplus", neg_eigval=True, inplace_state=True),
+    ]
+    # Mixed pool dtypes, a pool only written (every sequence starts from zeros), all rows but one padded, int32
+    # cu_seqlens.
+    cases += [
+        case(4, 4, B=3, T=8, state_dtype="bf16", final_dtype="fp32"),
+        case(4, 2, seqlens=(17, 1, 33, 0, 9), state_dtype="fp32", final_dtype="bf16", negative_entries=True),
+        case(4, 4, B=4, T=4, state_io="out_only"),
+        case(4, 8, seqlens=(1, 3, 0, 4, 2), state_io="out_only", state_dtype="fp32", accepted="none"),
+        case(4, 4, B=6, T=3, padding=5, inplace_state=True),
+        case(4, 4, seqlens=(1, 2, 3, 5, 8, 15), cu_seqlens_int32=True, state_dtype="fp32", indices_int32=True),
+    ]
+    return _token_state_plans(cases)
+
+
+def _decodes_by_default(c: Case) -> bool:
+    """Whether the automatic plan runs ``c`` on the decode kernel (kda_plan.h, decode_pays: at most 16 tokens per
+    sequence, on average for varlen)."""
+    return c.T <= 16 * c.num_seqs if c.varlen else c.T <= 16
+
+
+def _token_state_plans(base: list[Case]) -> list[Case]:
+    """Each case under the automatic plan, a chunked plan (``decode=False``) and, in turn, a V split of 2; a time
+    split of 2 chunks on sequences of more than 32 tokens; the decode kernel where the automatic plan is a chunked
+    one (more than 16 tokens per sequence)."""
+    cases: dict[str, Case] = {}
+    for i, c in enumerate(base):
+        kinds = [dict(), dict(decode=False)]
+        if i % 2 == 0:
+            kinds.append(dict(v_split=2))
+        if c.longest > 32:
+            kinds.append(dict(segment_chunks=2))
+        if not _decodes_by_default(c):
+            kinds.append(dict(decode=True))
+        for kind in kinds:
+            forced = dataclasses.replace(c, **kind)
+            cases.setdefault(forced.id, forced)
+    return list(cases.values())
+
+
+def _checkpoints() -> list[Case]:
+    """CHECKPOINT_SHAPES, each with two pool configurations in turn (dtype, in place or two pools, index dtypes,
+    negative entries, padding rows), and a few options, mixed dtypes and pools only written; each under the plans of
+    ``_checkpoint_plans``."""
+    pools = (("bf16", False), ("fp32", True), ("fp32", False), ("bf16", True))  # (pool dtype, in place)
+
+    def case(C: int, H: int, *, extra: int = 3, padding: int = 0, **fields) -> Case:
+        N = len(fields["seqlens"]) if "seqlens" in fields else fields.get("B", 1)
+        M = (max(fields["seqlens"], default=0) if "seqlens" in fields else fields["T"]) // C + 1
+        return Case("checkpoints", H=H, checkpoint_every=C, pool=N - padding + N * M + extra, padding=padding,
+                    **fields)
+
+    cases = []
+    for i, (C, shape, H) in enumerate(CHECKPOINT_SHAPES):
+        N = len(shape["seqlens"]) if "seqlens" in shape else shape.get("B", 1)
+        writes = sum(n // C for n in shape.get("seqlens", (shape.get("T", 0),) * N))
+        for j in range(2):
+            k = 2 * i + j
+            dt, inplace = pools[k % len(pools)]
+            cases.append(case(C, H, **shape, extra=k % 4, padding=1 if N >= 2 and k % 7 == 3 else 0,
+                              state_dtype=dt, inplace_state=inplace, negative_entries=k % 3 == 1 and writes >= 2,
+                              checkpoint_int32=k % 2 == 0, indices_int32=k % 4 == 1))
+    # The model options: the softplus gate, GVA, negative eigenvalues.
+    cases += [
+        case(256, 8, seqlens=(2300, 40, 256, 0, 600), G=2, gate="softplus"),
+        case(64, 4, B=3, T=200, gate="softplus", state_dtype="fp32", inplace_state=True, negative_entries=True),
+        case(16, 8, seqlens=(1, 2, 3, 5, 8, 15, 16), G=4, gate="softplus", state_dtype="fp32"),
+        case(1024, 8, B=2, T=3000, G=2, checkpoint_int32=True),
+        case(512, 32, B=2, T=1100, G=2, gate="softplus", inplace_state=True),
+        case(64, 4, seqlens=(130, 64, 5, 0, 70), neg_eigval=True, gate="softplus", state_dtype="fp32"),
+    ]
+    # Mixed pool dtypes, pools only written (every sequence starts from zeros), int32 cu_seqlens.
+    cases += [
+        case(256, 4, seqlens=(255, 256, 257, 0, 1000), state_dtype="bf16", final_dtype="fp32"),
+        case(64, 4, B=3, T=200, state_dtype="fp32", final_dtype="bf16", checkpoint_int32=True),
+        case(512, 4, seqlens=(2100, 300, 0, 700, 511), state_io="out_only", state_dtype="fp32"),
+        case(16, 4, B=4, T=50, state_io="out_only", negative_entries=True),
+        case(64, 4, seqlens=(63, 64, 65, 128), cu_seqlens_int32=True, padding=2, inplace_state=True),
+    ]
+    return _checkpoint_plans(cases)
+
+
+def _checkpoint_plans(base: list[Case]) -> list[Case]:
+    """Each case under the automatic plan and forced ones: a V split of 2; time splits of 16 chunks (256 tokens:
+    aligned with C up to 256, a divisor of larger C) and of 24 (384 tokens: aligned with none of 256, 512, 1024)
+    on sequences that span several segments; the single pass on cases of at most CHECKPOINT_SINGLE_PASS_TOKEN_HEADS
+    token-heads under the lower-bound gate (the single pass runs no other); the overlap with a lead of 8 chunks on
+    fixed lengths at H >= 32; the decode kernel on sequences of at most 256 tokens (where the automatic plan does not
+    run it already)."""
+    cases: dict[str, Case] = {}
+    for c in base:
+        kinds = [dict(), dict(v_split=2)]
+        if c.longest > 256:
+            kinds.append(dict(segment_chunks=16))
+        if c.longest > 384:
+            kinds.append(dict(segment_chunks=24))
+        if c.gate == "lower_bound" and c.tokens * c.H <= CHECKPOINT_SINGLE_PASS_TOKEN_HEADS:
+            kinds.append(dict(single_pass=True))
+        if not c.varlen and c.H >= 32:
+            kinds.append(dict(lead_chunks=8))
+        if c.longest <= 256 and not _decodes_by_default(c):
+            kinds.append(dict(decode=True))
+        for kind in kinds:
+            forced = dataclasses.replace(c, **kind)
+            cases.setdefault(forced.id, forced)
+    return list(cases.values())
+
+
 def all_cases() -> list[Case]:
     cases = [Case("smoke", H=4, T=97, seed=0)]
     base = _fixed("fixed_h1_h4", (1, 4)) + _fixed("fixed_h32", (32,)) + _fixed("fixed_h96", (96,))
@@ -616,6 +822,7 @@ def all_cases() -> list[Case]:
     cases += _forced_overlap(base + adversarial) + _pool()
     cases += _decode() + _forced_decode(base + adversarial)
     cases += _gate_softplus() + _neg_eigval() + _gva()
+    cases += _token_states() + _checkpoints()
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases
@@ -645,8 +852,9 @@ def make_inputs(case: Case, device) -> dict:
     """Inputs of ``case`` on ``device`` (generated there, from the case's seed), with NaN-poisoned outputs.
 
     Returns a dict with the ``flash_kda.fwd`` arguments: q, k, v, g, beta, scale, out, A_log, dt_bias,
-    lower_bound, initial_state, final_state, cu_seqlens, state_indices, gate, allow_neg_eigval (``fwd_args`` and
-    ``twin_args`` pick the keywords of fwd and of the twin and references). Distributions follow fla's KDA tests:
+    lower_bound, initial_state, final_state, cu_seqlens, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
+    checkpoint_indices, checkpoint_every (``fwd_args`` and ``twin_args`` pick the keywords of fwd and of the twin and
+    references, ``serving_args`` those of per-token states and checkpoints). Distributions follow fla's KDA tests:
     bf16 randn q/k [B, T, H // G, K], v/g [B, T, H, ·], beta [B, T, H] (as logits), fp32 randn A_log [H] (mapped
     onto SOFTPLUS_A_LOG_RANGE for the softplus gate) and dt_bias [H, K] (cast to the case's param dtype), an fp32
     randn initial state cast to the state dtype. ``out`` and ``final_state`` are NaN-filled so unwritten elements
@@ -702,20 +910,38 @@ def make_inputs(case: Case, device) -> dict:
         final_state = torch.full((rows, H, D, D), float("nan"), dtype=final_dtype, device=device)
     else:
         final_state = None
-    state_indices = None
+    state_indices = num_accepted_tokens = checkpoint_indices = None
     if case.pool:
-        # A random permutation's first slots for the sequences, negative indices (of several values) for
-        # `padding` of them at random positions; drawn on the CPU, so the same on every device.
+        # A random permutation's first slots for the sequences (L each with per-token states), negative indices (of
+        # several values) for `padding` of them at random positions, the next N·M slots for the checkpoints; drawn
+        # on the CPU, so the same on every device. Every entry names a slot of its own: where two name one, the
+        # state left there is unspecified.
         host = torch.Generator().manual_seed(case.seed)
-        slots = torch.randperm(case.pool, generator=host)[: N - case.padding]
+        width = case.state_tokens or 1  # slots per sequence
+        perm = torch.randperm(case.pool, generator=host)
         padded = torch.zeros(N, dtype=torch.bool)
         padded[torch.randperm(N, generator=host)[: case.padding]] = True
-        indices = torch.zeros(N, dtype=torch.int64)
-        indices[padded] = -1 - torch.arange(case.padding) % 3
-        indices[~padded] = slots
-        state_indices = indices.to(torch.int32 if case.indices_int32 else torch.int64)
+        indices = torch.zeros(N, width, dtype=torch.int64)
+        indices[padded] = (-1 - torch.arange(case.padding * width) % 3).view(-1, width)
+        indices[~padded] = perm[: (N - case.padding) * width].view(-1, width)
+        index_dtype = torch.int32 if case.indices_int32 else torch.int64
+        lengths = torch.tensor(case.seqlens if case.varlen else (case.T,) * B).view(N, 1)
+        if case.state_tokens:
+            if case.negative_entries:  # those tokens' states are not written
+                _negate_some(indices, (torch.arange(width).view(1, width) < lengths) & ~padded.view(N, 1), host)
+            accepted = torch.randint(1, width + 1, (N,), generator=host).to(index_dtype)
+            num_accepted_tokens = {"cuda": accepted.to(device), "host": accepted, "none": None}[case.accepted]
+        else:
+            indices = indices.view(N)
+        state_indices = indices.to(index_dtype)
         if not case.indices_on_host:
             state_indices = state_indices.to(device)
+        if case.checkpoint_every:
+            M, named = case.checkpoint_cols, N - case.padding
+            checkpoints = perm[named : named + N * M].clone().view(N, M)
+            if case.negative_entries:
+                _negate_some(checkpoints, torch.arange(1, M + 1).view(1, M) * case.checkpoint_every <= lengths, host)
+            checkpoint_indices = checkpoints.to(torch.int32 if case.checkpoint_int32 else torch.int64).to(device)
     cu_seqlens = None
     if case.varlen:
         cu = [0]
@@ -729,10 +955,23 @@ def make_inputs(case: Case, device) -> dict:
         A_log=A_log if case.has_A_log else None, dt_bias=dt_bias if case.has_dt_bias else None,
         lower_bound=lower_bound, initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
         state_indices=state_indices, gate=case.gate, allow_neg_eigval=case.neg_eigval,
+        num_accepted_tokens=num_accepted_tokens, checkpoint_indices=checkpoint_indices,
+        checkpoint_every=case.checkpoint_every,
     )  # fmt: skip
 
 
-INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "state_indices")
+def _negate_some(entries, written, host) -> None:
+    """Sets a fifth of the ``entries`` [N, ·] that a call would write (``written``), at random, to -1 (at least one
+    where two or more would be written, so that some remain)."""
+    import torch  # noqa: PLC0415
+
+    positions = torch.nonzero(written.flatten()).flatten()
+    count = max(1, positions.numel() // 5) if positions.numel() >= 2 else 0
+    entries.view(-1)[positions[torch.randperm(positions.numel(), generator=host)[:count]]] = -1
+
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "state_indices",
+               "num_accepted_tokens", "checkpoint_indices")
 FWD_NAMES = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound", "initial_state",
              "final_state", "cu_seqlens", "state_indices")  # flash_kda.fwd's arguments (state_indices by keyword;
 # gate and allow_neg_eigval, keyword-only, are added by fwd_args where a case sets them)
@@ -746,6 +985,19 @@ def fwd_args(inputs: dict) -> dict:
         args["gate"] = inputs["gate"]
     if inputs.get("allow_neg_eigval", False):
         args["allow_neg_eigval"] = True
+    return args
+
+
+def serving_args(inputs: dict) -> dict:
+    """The keyword arguments of per-token states (``num_accepted_tokens``) and checkpoints (``checkpoint_indices``,
+    ``checkpoint_every``) for ``inputs`` that have them, which ``flash_kda.fwd``, the twin and the references take
+    alike (not in fwd_args and twin_args, whose callers may pass their own)."""
+    args = {}
+    if inputs.get("state_indices") is not None and inputs["state_indices"].dim() == 2:
+        args["num_accepted_tokens"] = inputs.get("num_accepted_tokens")
+    if inputs.get("checkpoint_indices") is not None:
+        args["checkpoint_indices"] = inputs["checkpoint_indices"]
+        args["checkpoint_every"] = inputs["checkpoint_every"]
     return args
 
 

@@ -105,7 +105,7 @@ def test_operator_equals_fwd_cpu():
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
     flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_a)
     torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, x["initial_state"], fin_b, None, None,
-                            None, "lower_bound", False, None)
+                            None, "lower_bound", False, None, None, 0)
     assert torch.equal(out_a, out_b) and torch.equal(fin_a, fin_b)
 
 
@@ -118,7 +118,7 @@ def test_operator_equals_fwd_cpu_with_options():
     flash_kda.fwd(*args, out_a, None, x["dt_bias"], None, x["initial_state"], fin_a, gate="softplus",
                   allow_neg_eigval=True)
     torch.ops.flash_kda.fwd(*args, out_b, None, x["dt_bias"], None, x["initial_state"], fin_b, None, None, None,
-                            "softplus", True, None)
+                            "softplus", True, None, None, 0)
     assert torch.equal(out_a, out_b) and torch.equal(fin_a, fin_b)
 
 
@@ -132,7 +132,7 @@ def test_operator_equals_fwd_cpu_with_pools():
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5)
     flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, pool_a, pool_a, state_indices=indices)
     torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, pool_b, pool_b, None, None, indices,
-                            "lower_bound", False, None)
+                            "lower_bound", False, None, None, 0)
     assert torch.equal(out_a, out_b) and torch.equal(pool_a, pool_b)
 
 
@@ -148,7 +148,7 @@ def test_operator_equals_fwd_cpu_with_per_token_states():
     flash_kda.fwd(*args, out_a, x["A_log"], x["dt_bias"], -5.0, pool_a, pool_a, state_indices=indices,
                   num_accepted_tokens=accepted)
     torch.ops.flash_kda.fwd(*args, out_b, x["A_log"], x["dt_bias"], -5.0, pool_b, pool_b, None, None, indices,
-                            "lower_bound", False, accepted)
+                            "lower_bound", False, accepted, None, 0)
     assert torch.equal(out_a, out_b) and torch.equal(pool_a, pool_b)
     assert all(not torch.equal(pool_a[slot], pool[slot]) for slot in (2, 5, 1, 0, 4))  # written
     assert torch.equal(pool_a[3], pool[3])  # named by no entry
@@ -162,7 +162,8 @@ def _fake_cuda_call(**changes):
                     out=torch.empty_like(q), A_log=torch.empty(4, device="cuda"),
                     dt_bias=torch.empty(4, D, device="cuda"), lower_bound=-5.0, initial_state=None,
                     final_state=None, cu_seqlens=None, workspace=None, state_indices=None, gate="lower_bound",
-                    allow_neg_eigval=False, num_accepted_tokens=None)  # fmt: skip
+                    allow_neg_eigval=False, num_accepted_tokens=None, checkpoint_indices=None,
+                    checkpoint_every=0)  # fmt: skip
         args.update({name: make(q) if callable(make) else make for name, make in changes.items()})
         result = torch.ops.flash_kda.fwd(**args)
         return result, args
@@ -178,8 +179,8 @@ def test_fake_cuda_tensors_trace_without_a_gpu():
     schema = torch.ops.flash_kda.fwd.default._schema
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"out", "final_state", "workspace"}, written
-    assert len(schema.arguments) == 18 and [a.name for a in schema.arguments[-4:]] == [
-        "state_indices", "gate", "allow_neg_eigval", "num_accepted_tokens"]
+    assert len(schema.arguments) == 20 and [a.name for a in schema.arguments[-6:]] == [
+        "state_indices", "gate", "allow_neg_eigval", "num_accepted_tokens", "checkpoint_indices", "checkpoint_every"]
     optional = {a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)}
     assert {"A_log", "dt_bias", "lower_bound", "initial_state", "final_state"} <= optional
     assert all(not a.has_default_value() for a in schema.arguments)  # (ops.py: no defaults)

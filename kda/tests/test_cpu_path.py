@@ -426,20 +426,27 @@ TOKEN_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(TOKEN_CASES))
-def test_per_token_states_match_the_token_loop(name: str) -> None:
-    """fwd with state_indices [N, L] (and num_accepted_tokens) against the float64 token loop with the same
-    arguments: out within the bf16 rounding floor, the written slots within the fp32 / bf16 bounds above, every
-    other slot with its bits (NaN poison, or its initial value in place), the inputs unchanged."""
-    x = token_inputs(**TOKEN_CASES[name])
-    before = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
-                                        "state_indices", "num_accepted_tokens") if x[n] is not None}
+def _pooled_fwd(x: dict, index_names: tuple) -> tuple[dict, torch.Tensor]:
+    """Runs fwd(**x) on a pool and checks that it left its inputs alone (the initial pool excepted when it is the
+    final pool: in place); returns the inputs and the final pool as they were before the call."""
+    before = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", *index_names)
+              if x[n] is not None}
     pool_before = x["final_state"].clone()
     flash_kda.fwd(**x)
     for n, saved in before.items():
         if n == "initial_state" and x["final_state"] is x["initial_state"]:
             continue  # it is final_state by design
         assert torch.equal(x[n], saved) and x[n].dtype == saved.dtype, f"input {n} modified"
+    return before, pool_before
+
+
+@pytest.mark.parametrize("name", list(TOKEN_CASES))
+def test_per_token_states_match_the_token_loop(name: str) -> None:
+    """fwd with state_indices [N, L] (and num_accepted_tokens) against the float64 token loop with the same
+    arguments: out within the bf16 rounding floor, the written slots within the fp32 / bf16 bounds above, every
+    other slot with its bits (NaN poison, or its initial value in place), the inputs unchanged."""
+    x = token_inputs(**TOKEN_CASES[name])
+    before, pool_before = _pooled_fwd(x, ("state_indices", "num_accepted_tokens"))
 
     names = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "cu_seqlens", "state_indices",
              "num_accepted_tokens")
@@ -501,3 +508,279 @@ def test_per_token_call_without_tokens_writes_nothing(in_place) -> None:
         pool = x["final_state"].clone()
         flash_kda.fwd(**x)
         assert matrix.same_bits(x["final_state"], pool)
+
+
+# --- prefix-cache checkpoints (checkpoint_indices [N, M], checkpoint_every) ------------------------------------------
+
+
+def checkpoint_inputs(*, C: int, M: int, extra: int = 3, negative=(), own_slot=(), index_dtype=torch.int64,
+                      pool_dtype=torch.float32, in_place=False, initial=True, **kwargs) -> dict:
+    """``option_inputs`` with pools and checkpoints every C tokens: state_indices [N] and checkpoint_indices [N, M]
+    name distinct random slots of a pool with ``extra`` slots nothing names; the entries ``negative`` (n, m) are -1
+    and the entries ``own_slot`` (n, m) name sequence n's own state slot. The final pool is NaN-poisoned (or the
+    initial pool itself, ``in_place``); ``options`` as in ``option_inputs``."""
+    N = len(kwargs["seqlens"]) if kwargs.get("seqlens") is not None else kwargs.get("B", 1)
+    P = N + N * M + extra
+    x = option_inputs(pool=P, state=pool_dtype, **kwargs)
+    gen = torch.Generator().manual_seed(kwargs.get("seed", 0) + 2)
+    slots = torch.randperm(P, generator=gen)
+    x["state_indices"] = slots[:N].clone()
+    checkpoints = slots[N : N + N * M].view(N, M).clone()
+    for n, m in negative:
+        checkpoints[n, m] = -1
+    for n, m in own_slot:
+        checkpoints[n, m] = x["state_indices"][n]
+    x["checkpoint_indices"] = checkpoints.to(index_dtype)
+    x["checkpoint_every"] = C
+    if not initial:
+        x["initial_state"] = None
+    if in_place:
+        x["final_state"] = x["initial_state"]
+    return x
+
+
+def checkpoint_slots(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(checkpoint slots written, final slots written) of a checkpoint call: checkpoint_indices[n, m] >= 0 for every
+    (m+1)·C <= length of sequence n, and state_indices[n] >= 0."""
+    indices = x["checkpoint_indices"].to(torch.int64)
+    N, M = indices.shape
+    B, T = x["v"].shape[:2]
+    cu = x["cu_seqlens"]
+    lengths = torch.full((N,), T) if cu is None else cu[1:] - cu[:-1]
+    ends = torch.arange(1, M + 1).view(1, M) * x["checkpoint_every"]
+    written = (ends <= lengths.view(N, 1)) & (indices >= 0)
+    finals = x["state_indices"][x["state_indices"] >= 0]
+    return indices[written], finals
+
+
+CHECKPOINT_CASES = {
+    "C16_fixed": dict(C=16, M=5, B=2, T=70),  # checkpoints 16..64 of 70 tokens; the fifth (80) is past the end
+    "C32_varlen_short_and_empty_bf16": dict(C=32, M=3, seqlens=(40, 5, 0, 97, 31), pool_dtype=torch.bfloat16),
+    "C64_varlen_in_place": dict(C=64, M=3, seqlens=(130, 64, 63, 0), in_place=True),
+    "C16_negative_int32": dict(C=16, M=4, B=3, T=64, negative=((0, 1), (1, 0), (2, 3)), index_dtype=torch.int32),
+    "C16_bf16_in_place_negative": dict(C=16, M=3, B=2, T=50, pool_dtype=torch.bfloat16, in_place=True,
+                                       negative=((1, 1),)),
+    "C32_final_pool_only": dict(C=32, M=2, B=2, T=80, initial=False),
+    "C32_gva_softplus_neg_eigval": dict(C=32, M=2, G=2, B=2, T=70, gate="softplus", lower_bound=None,
+                                        allow_neg_eigval=True),
+    "C16_slow_decay": dict(C=16, M=6, B=1, T=100, lower_bound=-0.01),  # the state carries far
+}  # fmt: skip
+
+
+def _reference_pool(x: dict, initial, pool_before, **changes):
+    names = ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound", "cu_seqlens", "state_indices",
+             "checkpoint_indices", "checkpoint_every")
+    args = {**{n: x[n] for n in names}, **changes}
+    return reference.reference_loop(**args, initial_state=initial, final_state=pool_before,
+                                    gate_kind=x.get("gate", "lower_bound"),
+                                    beta_scale=2.0 if x.get("allow_neg_eigval") else 1.0)
+
+
+def _check_state(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """The fp32 / bf16 state bounds above: fp32 within FP32_STATE_REL_L2, bf16 within the rounding floor."""
+    if got.dtype == torch.float32:
+        compare.compare(got, want).check(rel_l2=FP32_STATE_REL_L2, name=f"{name} (fp32)")
+    else:
+        floor = compare.compare(want.to(torch.bfloat16), want).rel_l2
+        compare.compare(got, want).check(rel_l2=FLOOR_FACTOR * floor, name=f"{name} (bf16)")
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINT_CASES))
+def test_checkpoints_match_the_token_loop(name: str) -> None:
+    """fwd with checkpoint_indices against the float64 token loop with the same arguments: the checkpoint slots (the
+    exact state after each (m+1)·C tokens) and the final slots within the fp32 / bf16 bounds above, out within the
+    bf16 rounding floor, every slot nothing names with its bits (NaN poison, or its initial value in place), the
+    inputs unchanged."""
+    x = checkpoint_inputs(**CHECKPOINT_CASES[name])
+    before, pool_before = _pooled_fwd(x, ("state_indices", "checkpoint_indices"))
+
+    ref_out, ref_pool = _reference_pool(x, before.get("initial_state"), pool_before)
+    floor = compare.compare(ref_out.to(torch.bfloat16), ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
+    compare.compare(x["out"], ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"]).check(
+        rel_l2=FLOOR_FACTOR * floor.rel_l2, window_rel_l2=FLOOR_FACTOR * floor.window_rel_l2, name=f"{name} out")
+    checkpoints, finals = checkpoint_slots(x)
+    assert checkpoints.numel(), "the case writes no checkpoint"
+    _check_state(x["final_state"][checkpoints], ref_pool[checkpoints], f"{name} checkpoint slots")
+    _check_state(x["final_state"][finals], ref_pool[finals], f"{name} final slots")
+    untouched = torch.ones(x["final_state"].shape[0], dtype=torch.bool)
+    untouched[checkpoints] = False
+    untouched[finals] = False
+    assert matrix.same_bits(x["final_state"][untouched], pool_before[untouched]), "slots nothing names changed"
+
+
+@pytest.mark.parametrize("name", ["C16_fixed", "C32_varlen_short_and_empty_bf16", "C64_varlen_in_place"])
+def test_checkpoints_leave_out_and_final_states_unchanged(name: str) -> None:
+    """out and the final slots are those of the same call without checkpoints, bit for bit."""
+    x = checkpoint_inputs(**CHECKPOINT_CASES[name])
+    plain = {**x, "out": torch.full_like(x["out"], float("nan")), "checkpoint_indices": None, "checkpoint_every": 0,
+             "initial_state": x["initial_state"].clone()}
+    in_place = x["final_state"] is x["initial_state"]
+    plain["final_state"] = plain["initial_state"] if in_place else x["final_state"].clone()
+    flash_kda.fwd(**x)
+    flash_kda.fwd(**plain)
+    compare.assert_bitwise_equal(x["out"], plain["out"], "out")
+    _, finals = checkpoint_slots(x)
+    assert matrix.same_bits(x["final_state"][finals], plain["final_state"][finals]), "final slots differ"
+
+
+def test_checkpoint_is_the_state_of_the_prefix() -> None:
+    """Checkpoint m of sequence n is the state after its first (m+1)·C tokens: the final state of the call on those
+    tokens alone (float64: the same to 1e-12; the CPU path within its fp32 bound of it)."""
+    x = checkpoint_inputs(C=32, M=3, seqlens=(100, 70), lower_bound=-0.01)
+    initial = x["initial_state"].clone()
+    flash_kda.fwd(**x)
+    _, ref_pool = _reference_pool(x, initial, torch.full_like(initial, float("nan")))
+    bos = x["cu_seqlens"][:-1].tolist()
+    for n, length in enumerate((100, 70)):
+        for m in range(3):
+            end = (m + 1) * 32
+            if end > length:
+                continue
+            prefix = {name: x[name][:, bos[n] : bos[n] + end] for name in ("q", "k", "v", "g", "beta")}
+            names = ("scale", "A_log", "dt_bias", "lower_bound")
+            _, state = reference.reference_loop(**prefix, **{k: x[k] for k in names},
+                                                initial_state=initial[x["state_indices"][n]].unsqueeze(0))
+            slot = int(x["checkpoint_indices"][n, m])
+            assert compare.compare(ref_pool[slot], state[0]).rel_l2 < 1e-12, (n, m)
+            _check_state(x["final_state"][slot], state[0], f"checkpoint ({n}, {m}) vs the prefix's final state")
+
+
+def test_resuming_from_a_checkpoint_continues_the_sequence() -> None:
+    """The prefix-cache use: a call on a sequence's remaining tokens, started from its checkpoint slot, continues it:
+    its out and final state are the full call's float64 ones within the bounds above."""
+    x = checkpoint_inputs(C=32, M=2, B=1, T=90, lower_bound=-0.01)
+    initial = x["initial_state"].clone()
+    flash_kda.fwd(**x)
+    resume_at = 64  # the second checkpoint
+    slot = int(x["checkpoint_indices"][0, 1])
+    rest = {**x, **{n: x[n][:, resume_at:].contiguous() for n in ("q", "k", "v", "g", "beta")},
+            "out": torch.full_like(x["out"][:, resume_at:], float("nan")), "initial_state": x["final_state"].clone(),
+            "final_state": torch.full_like(x["final_state"], float("nan")), "state_indices": torch.tensor([slot]),
+            "checkpoint_indices": None, "checkpoint_every": 0}
+    flash_kda.fwd(**rest)
+    ref_out, ref_pool = _reference_pool(x, initial, torch.full_like(initial, float("nan")))
+    ref_rest = ref_out[:, resume_at:]
+    floor = compare.compare(ref_rest.to(torch.bfloat16), ref_rest).rel_l2
+    compare.compare(rest["out"], ref_rest).check(rel_l2=FLOOR_FACTOR * floor, name="resumed out")
+    _check_state(rest["final_state"][slot], ref_pool[int(x["state_indices"][0])], "resumed final state")
+
+
+def test_checkpoint_at_a_sequence_end_is_its_final_state() -> None:
+    """A length that is a multiple of C: its last checkpoint and its final state are the same bits."""
+    x = checkpoint_inputs(C=32, M=3, seqlens=(96, 64, 40), pool_dtype=torch.bfloat16)
+    flash_kda.fwd(**x)
+    for n, m in ((0, 2), (1, 1)):
+        slot, final = int(x["checkpoint_indices"][n, m]), int(x["state_indices"][n])
+        assert matrix.same_bits(x["final_state"][slot], x["final_state"][final]), (n, m)
+
+
+def test_final_state_wins_a_shared_slot() -> None:
+    """A checkpoint naming its sequence's own state slot is written first; the final state ends there."""
+    x = checkpoint_inputs(C=16, M=3, B=2, T=40, own_slot=((0, 0), (1, 1)))
+    plain = {**x, "out": torch.full_like(x["out"], float("nan")), "final_state": x["final_state"].clone(),
+             "checkpoint_indices": None, "checkpoint_every": 0}
+    flash_kda.fwd(**x)
+    flash_kda.fwd(**plain)
+    finals = x["state_indices"]
+    assert matrix.same_bits(x["final_state"][finals], plain["final_state"][finals])
+    assert not torch.isnan(x["final_state"][int(x["checkpoint_indices"][0, 1])]).any()  # the others are written
+
+
+def test_checkpoints_of_a_padding_row_are_written() -> None:
+    """checkpoint_indices do not depend on state_indices: a sequence without a state slot (negative: it starts from
+    zeros, writes no final state) still writes its checkpoints."""
+    x = checkpoint_inputs(C=16, M=2, B=2, T=40)
+    x["state_indices"][0] = -1
+    pool_before = x["final_state"].clone()
+    flash_kda.fwd(**x)
+    _, ref_pool = _reference_pool(x, x["initial_state"], pool_before)
+    slots = x["checkpoint_indices"][0]
+    _check_state(x["final_state"][slots], ref_pool[slots], "a padding row's checkpoints")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["two_pools", "in_place"])
+def test_checkpoints_of_a_call_without_tokens(in_place) -> None:
+    """T = 0 (or only empty sequences): no checkpoint is written; the named slots get their initial states."""
+    for shape in (dict(B=2, T=0), dict(seqlens=(0, 0))):
+        x = checkpoint_inputs(C=16, M=2, in_place=in_place, pool_dtype=torch.bfloat16, **shape)
+        pool = x["final_state"].clone()
+        initial = x["initial_state"].clone()
+        flash_kda.fwd(**x)
+        unnamed = torch.ones(pool.shape[0], dtype=torch.bool)
+        unnamed[x["state_indices"]] = False
+        assert matrix.same_bits(x["final_state"][unnamed], pool[unnamed])
+        assert matrix.same_bits(x["final_state"][x["state_indices"]], initial[x["state_indices"]])
+
+
+def test_checkpoint_indices_past_the_pool_are_refused_before_any_write() -> None:
+    x = checkpoint_inputs(C=16, M=2, B=2, T=40)
+    x["checkpoint_indices"][1, 1] = x["final_state"].shape[0]
+    pool = x["final_state"].clone()
+    with pytest.raises(ValueError, match=r"checkpoint_indices\[1, 1\] = \d+ is past the pool's last slot"):
+        flash_kda.fwd(**x)
+    assert matrix.same_bits(x["final_state"], pool)
+
+
+# The plans' checkpoints on the CPU, in fp32 (the twin runs the same code with the kernel's arithmetic on the GPU).
+
+
+def _numerics_args(x: dict) -> list:
+    return [x[n] for n in ("q", "k", "v", "g", "beta", "scale", "A_log", "dt_bias", "lower_bound")]
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 2, 3, 4])
+@pytest.mark.parametrize("C", [16, 32, 64])
+def test_time_split_checkpoints_come_from_the_finishing_units(segment_chunks: int, C: int) -> None:
+    """Under the time split each checkpoint is the finishing unit's state after its chunk (numerics._chunked, as the
+    kernels' finish pass): the same function as the unsplit stepping's (fp32 rounding apart), and at a segment end
+    that unit's own end state, not the composed start of the next segment: with the composition perturbed, the
+    checkpoints of the first segment (which starts from the initial state itself) keep their bits and the later
+    ones move."""
+    from flash_kda import numerics  # noqa: PLC0415
+
+    x = checkpoint_inputs(C=C, M=4, seqlens=(150, 17, 0, 64), lower_bound=-0.01)
+    lengths = (150, 17, 0, 64)
+    entries = [(n, (m + 1) * C) for n, length in enumerate(lengths) for m in range(4) if (m + 1) * C <= length]
+    ar = numerics.fp32_arithmetic()
+    args = [*_numerics_args(x), x["initial_state"][:4].clone(), x["cu_seqlens"], ar]
+    _, state0, unsplit = numerics._chunked(*args, 0, checkpoints=entries)
+    _, state1, split = numerics._chunked(*args, segment_chunks, checkpoints=entries)
+    assert compare.compare(split, unsplit).rel_l2 < 1e-5  # fp32 rounding (as the time split's final states)
+    for e, (n, t) in enumerate(entries):
+        if t == lengths[n]:  # the checkpoint at a sequence's end is its final state, bit for bit
+            assert torch.equal(split[e], state1[n]) and torch.equal(unsplit[e], state0[n]), (n, t)
+
+    compose = numerics._compose
+    try:
+        numerics._compose = lambda state, m, q, ar: compose(state, m, q, ar) * 1.001
+        _, _, perturbed = numerics._chunked(*args, segment_chunks, checkpoints=entries)
+    finally:
+        numerics._compose = compose
+    for e, (n, t) in enumerate(entries):
+        first_segment = t // 16 <= segment_chunks
+        assert torch.equal(perturbed[e], split[e]) == first_segment, (n, t, segment_chunks)
+
+
+@pytest.mark.parametrize("C", [16, 32])
+def test_decode_recurrence_checkpoints_match_float64(C: int) -> None:
+    """The decode kernel's recurrence (numerics._recurrent, fp32 here) records the state after token (m+1)·C - 1:
+    within the fp32 bound of float64, and at a sequence's end its final state bit for bit."""
+    from flash_kda import numerics  # noqa: PLC0415
+
+    lengths = (48, 17, 0, 40, 96)
+    x = checkpoint_inputs(C=C, M=3, seqlens=lengths)
+    entries = [(n, (m + 1) * C) for n, length in enumerate(lengths) for m in range(3) if (m + 1) * C <= length]
+    initial = x["initial_state"][:5].clone()
+    out, state, recorded = numerics._recurrent_checkpoints(*_numerics_args(x), initial, x["cu_seqlens"],
+                                                           numerics.fp32_arithmetic(), "lower_bound", 1.0, entries)
+    assert recorded.shape[0] == len(entries)
+    for e, (n, t) in enumerate(entries):
+        bos = int(x["cu_seqlens"][n])
+        prefix = {name: x[name][:, bos : bos + t] for name in ("q", "k", "v", "g", "beta")}
+        rest = {k: x[k] for k in ("scale", "A_log", "dt_bias", "lower_bound")}
+        _, ref_state = reference.reference_loop(**prefix, **rest, initial_state=initial[n : n + 1])
+        compare.compare(recorded[e], ref_state[0]).check(rel_l2=FP32_STATE_REL_L2, name=f"checkpoint {(n, t)}")
+        if t == lengths[n]:
+            assert torch.equal(recorded[e], state[n])
+    plain_out, plain_state = numerics.recurrent_forward(*_numerics_args(x), initial, x["cu_seqlens"])
+    assert torch.equal(out, plain_out) and torch.equal(state, plain_state)

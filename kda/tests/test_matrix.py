@@ -6,12 +6,17 @@ Every case (matrix.py; ``--kda-slice`` picks slices):
 3. asserts ``torch.equal`` with ``numerics.twin_forward`` (re-enacting the plan's time split, or the decode
    kernel's token-by-token arithmetic) on out and on final_state (cast to the state dtype); with pooled states
    (the ``pool`` slice) on the whole final pool, NaN poison included: the slots no sequence names keep their
-   values bit for bit;
+   values bit for bit (against the pool before the call); with per-token states and checkpoints (the
+   ``token_states`` and ``checkpoints`` slices) the same on the slots they write, comparing bits
+   (``matrix.same_bits``), and, with checkpoints, out and the final slots equal to those of the same call without
+   them;
 4. asserts the inputs are unchanged (bitwise, against clones taken before the call);
-5. compares with the float64 ground truth ``reference.reference_chunked`` (on the GPU): relative L2 of out and
-   final_state, and the worst relative L2 over windows of WINDOW tokens of out (per sequence); the decode slice
-   against the tighter short-sequence bounds DECODE_*_REL_L2, the softplus gate's cases of the option slices
-   against OPTION_*_REL_L2;
+5. compares with the float64 ground truth ``reference.reference_chunked`` (``reference_loop`` for per-token states;
+   on the GPU): relative L2 of out and final_state (every checkpoint on its own), and the worst relative L2 over
+   windows of WINDOW tokens of out (per sequence); the decode slice, and the per-token states and checkpoints under
+   the decode plan, against the tighter short-sequence bounds DECODE_*_REL_L2 (per-token states under every plan:
+   they come from the decode kernel's recurrence), the softplus gate's cases of the option slices against
+   OPTION_*_REL_L2;
 6. with a per-token log decay of -960 (the ``decay=-960`` recipe), checks that out and final_state are finite and
    equal (as values) to the results of the same call from a zero initial state: the state is erased.
 All checks run before the test fails, so one failure report shows every problem of the case.
@@ -77,19 +82,66 @@ class _Stages:
 
 
 def _fwd_args(x: dict) -> dict:
-    return matrix.fwd_args(x)
+    return {**matrix.fwd_args(x), **matrix.serving_args(x)}
 
 
-def _bounds(case: matrix.Case, final_dtype) -> tuple[float, float | None, float]:
-    """(out, final_state, window) bounds against float64 for ``case`` (final_dtype: None without a final state)."""
+def _bounds(case: matrix.Case, final_dtype, plan) -> tuple[float, float | None, float]:
+    """(out, final_state, window) bounds against float64 for ``case`` under ``plan`` (final_dtype: None without a
+    final state)."""
     if (case.slice in matrix.OPTION_SLICES and case.gate == "softplus" and case.inputs not in ADVERSARIAL_RECIPES
             and case.inputs != "g=-50"):
         state = OPTION_STATE_REL_L2[final_dtype] if final_dtype is not None else None
         return OPTION_OUT_REL_L2, state, OPTION_WINDOW_REL_L2
-    if case.slice == "decode":  # the short-sequence bounds
+    # The short-sequence bounds: the decode slice, and the per-token states and checkpoints the decode kernel runs.
+    if case.slice == "decode" or (case.slice in ("token_states", "checkpoints") and plan.decode):
         state = DECODE_STATE_REL_L2[final_dtype] if final_dtype is not None else None
         return DECODE_OUT_REL_L2, state, WINDOW_REL_L2
+    if case.state_tokens:  # out from the chunked kernels; the states from the decode kernel's recurrence, every plan
+        return OUT_REL_L2, DECODE_STATE_REL_L2[final_dtype], WINDOW_REL_L2
     return OUT_REL_L2, STATE_REL_L2, WINDOW_REL_L2
+
+
+def _lengths(case: matrix.Case) -> list[int]:
+    return list(case.seqlens) if case.varlen else [case.T] * case.B
+
+
+def _written_slots(case: matrix.Case, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states, checkpoints): the pool slots (int64, on out's device) the call writes the sequences' states into (the
+    named slots; with per-token states [N, L], the slot of every token t < min(L, length)) and its checkpoints into
+    (every (m+1)·C <= length). The cases name each slot once at most."""
+    device = x["out"].device
+    if case.state_tokens:
+        indices = x["state_indices"].to(device, torch.int64)
+        L = indices.shape[1]
+        lengths = torch.tensor(_lengths(case), device=device).view(-1, 1)
+        written = (torch.arange(L, device=device).view(1, L) < lengths) & (indices >= 0) & (indices < case.pool)
+        states = indices[written]
+    else:
+        states = pools.named(x["state_indices"], case.pool)[1].to(device)
+    checkpoints = torch.zeros(0, dtype=torch.int64, device=device)
+    if case.checkpoint_every:
+        checkpoints = pools.checkpoint_entries(x["checkpoint_indices"], case.checkpoint_every, _lengths(case),
+                                               case.pool)[1].to(device)
+    return states, checkpoints
+
+
+def _checkpoint_free_failures(case: matrix.Case, x: dict, args: dict, finals: torch.Tensor) -> list[str]:
+    """Checkpoints change nothing else: out and the final slots equal those of the same call without them (from the
+    pools as they were before the call, under the same plan), bit for bit."""
+    plain = {**x, "out": torch.full_like(x["out"], float("nan")), "checkpoint_indices": None, "checkpoint_every": 0}
+    if case.has_initial:
+        plain["initial_state"] = args["initial_state"].clone()
+    plain["final_state"] = plain["initial_state"] if case.inplace_state else args["final_state"].clone()
+    with _forced(case):
+        flash_kda.fwd(**_fwd_args(plain))
+    failures = []
+    if not matrix.same_bits(x["out"], plain["out"]):
+        failures.append(f"out differs from the call without checkpoints: "
+                        f"{compare.bitwise_mismatch(x['out'], plain['out'])}")
+    if not matrix.same_bits(x["final_state"][finals], plain["final_state"][finals]):
+        failures.append(f"final slots differ from the call without checkpoints: "
+                        f"{compare.bitwise_mismatch(x['final_state'][finals], plain['final_state'][finals])}")
+    return failures
 
 
 def _forced(case: matrix.Case):
@@ -140,7 +192,7 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     x = matrix.make_inputs(case, "cuda")
     before = {n: x[n].clone() for n in matrix.INPUT_NAMES if x[n] is not None}
     # The twin and the reference start from the initial state as it was before the call (in-place case).
-    args = {**matrix.twin_args(x), "initial_state": before.get("initial_state")}
+    args = {**matrix.twin_args(x), **matrix.serving_args(x), "initial_state": before.get("initial_state")}
     if case.pool:  # and return the final pool from the pool as it was (NaN poison, or the initial pool in place)
         args["final_state"] = (before.get("initial_state") if case.inplace_state or not case.has_final
                                else x["final_state"].clone())
@@ -159,22 +211,30 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
         failures.append(f"decode={case.decode} was forced, got {plan}")
     twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode)
     stage("numerics.twin_forward")
-    if not torch.equal(x["out"], twin_out):
+    # The per-token states and checkpoints compare bits (signed zeros too); the other slices values, bit for bit.
+    equal = matrix.same_bits if case.state_tokens or case.checkpoint_every else torch.equal
+    if not equal(x["out"], twin_out):
         failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")
+    if case.pool:
+        states, checkpoints = _written_slots(case, x)
+        written = torch.cat([states, checkpoints])
     if case.has_final:
         twin_state = twin_state.to(x["final_state"].dtype)
         actual = x["final_state"]
-        if case.pool:  # the named slots against the twin; the others against the pool before the call, below
-            _, slots = pools.named(x["state_indices"], case.pool)
-            actual, twin_state = actual[slots], twin_state[slots]
-        if not torch.equal(actual, twin_state):
+        if case.pool:  # the written slots against the twin; the others against the pool before the call, below
+            actual, twin_state = actual[written], twin_state[written]
+        if not equal(actual, twin_state):
             failures.append(f"final_state != twin: {compare.bitwise_mismatch(actual, twin_state)}")
     if case.pool and case.has_final:
-        untouched = torch.ones(case.pool, dtype=torch.bool)
-        untouched[slots.cpu()] = False
+        # (Not through the twin's fp32 pool: a bf16 NaN converted to fp32 and back on the GPU comes back as the
+        # canonical NaN 0x7FFF, not the poison's 0x7FC0.)
+        untouched = torch.ones(case.pool, dtype=torch.bool, device="cuda")
+        untouched[written] = False
         base = args["final_state"].to(x["final_state"].dtype)
-        if not matrix.same_bits(x["final_state"][untouched.cuda()], base[untouched.cuda()]):
-            failures.append(f"pool slots no sequence names changed (named: {slots.tolist()})")
+        if not matrix.same_bits(x["final_state"][untouched], base[untouched]):
+            failures.append(f"pool slots the call does not write changed (written: {written.tolist()})")
+    if case.checkpoint_every:
+        failures += _checkpoint_free_failures(case, x, args, states)
 
     for name, saved in before.items():
         if name == "initial_state" and case.inplace_state:
@@ -182,10 +242,12 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
         if not torch.equal(x[name], saved):
             failures.append(f"input {name} was modified: {compare.bitwise_mismatch(x[name], saved)}")
 
-    ref_out, ref_state = reference.reference_chunked(**args)
-    stage("reference.reference_chunked (float64)")
+    # The chunked reference takes no per-token states: the token loop does (these sequences are short).
+    ground_truth = reference.reference_loop if case.state_tokens else reference.reference_chunked
+    ref_out, ref_state = ground_truth(**args)
+    stage(f"reference.{ground_truth.__name__} (float64)")
     report = compare.compare(x["out"], ref_out, window=WINDOW, cu_seqlens=x["cu_seqlens"])
-    out_bound, state_bound, window_bound = _bounds(case, x["final_state"].dtype if case.has_final else None)
+    out_bound, state_bound, window_bound = _bounds(case, x["final_state"].dtype if case.has_final else None, plan)
     try:
         report.check(rel_l2=out_bound, window_rel_l2=window_bound, name="out vs float64")
     except AssertionError as e:
@@ -194,10 +256,9 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
     record("out_window_rel_l2", report.window_rel_l2)
     line = f"[{case.id}] {plan} out vs float64: rel_l2={report.rel_l2:.3e} window={report.window_rel_l2:.3e}"
     if case.has_final:
-        got_state, ref_state = x["final_state"], ref_state
+        got_state, ref_pool = x["final_state"], ref_state
         if case.pool:  # the float64 bound on the slots the sequences wrote
-            _, slots = pools.named(x["state_indices"], case.pool)
-            got_state, ref_state = got_state[slots.cuda()], ref_state[slots.cuda()]
+            got_state, ref_state = got_state[states], ref_pool[states]
         state_report = compare.compare(got_state, ref_state)
         record(f"state_{case.state_dtype}_rel_l2", state_report.rel_l2)
         line += f" state rel_l2={state_report.rel_l2:.3e}"
@@ -205,6 +266,17 @@ def run_case(case: matrix.Case, record=lambda name, value: None) -> None:
             state_report.check(rel_l2=state_bound, name="final_state vs float64")
         except AssertionError as e:
             failures.append(str(e))
+        if case.checkpoint_every:  # every checkpoint on its own
+            worst = 0.0
+            for slot in checkpoints.tolist():
+                checkpoint_report = compare.compare(x["final_state"][slot], ref_pool[slot])
+                worst = max(worst, checkpoint_report.rel_l2)
+                try:
+                    checkpoint_report.check(rel_l2=state_bound, name=f"checkpoint slot {slot} vs float64")
+                except AssertionError as e:
+                    failures.append(str(e))
+            record("checkpoint_rel_l2", worst)
+            line += f" worst of {checkpoints.numel()} checkpoints rel_l2={worst:.3e}"
     print(line, flush=True)  # the measured errors, for setting the MEASURED bounds from the logs
     stage("compare")
     if case.inputs == "decay=-960":

@@ -171,7 +171,7 @@ def test_too_many_heads_are_refused_on_cuda_by_the_fake_implementation():
             torch.ops.flash_kda.fwd(q, q, q, q, torch.empty(1, 1, H, dtype=torch.bfloat16, device="cuda"), 0.1,
                                     torch.empty_like(q), torch.empty(H, device="cuda"),
                                     torch.empty(H, D, device="cuda"), -5.0, None, None, None, None, None,
-                                    "lower_bound", False, None)
+                                    "lower_bound", False, None, None, 0)
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------

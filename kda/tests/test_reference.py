@@ -408,3 +408,111 @@ def test_per_token_states_are_the_final_states_of_prefixes(shape, accepted, gen)
             written[slot] = True
     assert written.any()
     assert torch.equal(final_pool[~written], pool[~written])
+
+
+# --- prefix-cache checkpoints (checkpoint_indices [N, M], checkpoint_every) ------------------------------------------
+
+
+def _checkpoint_call(x: dict, *, C: int, M: int, gen, negative=(), past_the_pool=(), own_slot=()) -> dict:
+    """Pool arguments with checkpoints every C tokens: state_indices [N] and checkpoint_indices [N, M] name distinct
+    random slots of a float64 pool (two more slots nothing names, NaN); the entries ``negative`` are -1, those
+    ``past_the_pool`` P, those ``own_slot`` the sequence's state slot."""
+    N = x["initial_state"].shape[0]
+    HV = x["v"].shape[2]
+    P = N + N * M + 2
+    slots = torch.randperm(P, generator=gen)
+    indices = slots[N : N + N * M].view(N, M).clone()
+    for n, m in negative:
+        indices[n, m] = -1
+    for n, m in past_the_pool:
+        indices[n, m] = P
+    pool = torch.randn(P, HV, D, D, generator=gen, dtype=torch.float64)
+    pool[slots[:N]] = x["initial_state"].to(torch.float64)
+    for n, m in own_slot:
+        indices[n, m] = slots[n]
+    return dict(initial_state=pool, final_state=torch.full_like(pool, float("nan")), state_indices=slots[:N],
+                checkpoint_indices=indices, checkpoint_every=C)
+
+
+CHECKPOINT_SHAPES = [
+    dict(B=1, T=100, H=2),
+    dict(B=3, T=48, H=1, state=torch.bfloat16),
+    dict(B=1, T=0, H=2, seqlens=(70, 0, 15, 33, 128)),
+    dict(B=1, T=0, H=1, G=2, seqlens=(40, 64)),
+]
+
+
+@pytest.mark.parametrize("shape", CHECKPOINT_SHAPES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("C", [16, 32, 48])
+@pytest.mark.parametrize(("chunk", "base2"), [(64, False), (16, True), (5, False), (128, True)])
+def test_chunked_checkpoints_equal_the_loop(shape, C, chunk, base2, gen):
+    """reference_chunked's checkpoints (inside its chunks: the chunk's update cut at that row) are the token loop's,
+    whatever the chunk size; the other slots as the loop leaves them (NaN where nothing is written)."""
+    x = make(**shape, gen=gen)
+    options = dict(gate_kind="softplus", beta_scale=2.0, lower_bound=None) if "G" in shape else {}
+    pools = _checkpoint_call(x, C=C, M=3, gen=gen, negative=((0, 1),))
+    args = {**x, **options, **pools}
+    out_loop, pool_loop = reference.reference_loop(**args)
+    out_chunk, pool_chunk = reference.reference_chunked(**args, chunk=chunk, base2=base2)
+    assert rel(out_chunk, out_loop) <= AGREE_REL
+    written = ~torch.isnan(pool_loop.flatten(1)).any(1)
+    assert torch.equal(written, ~torch.isnan(pool_chunk.flatten(1)).any(1))
+    assert rel(pool_chunk[written], pool_loop[written]) <= AGREE_REL
+    for slot in torch.nonzero(written).flatten().tolist():  # each slot, not only on the whole
+        assert rel(pool_chunk[slot], pool_loop[slot]) <= AGREE_REL, slot
+
+
+@pytest.mark.parametrize("erase_every", [0, 7])
+@pytest.mark.parametrize(("chunk", "base2"), [(64, False), (16, True)])
+def test_chunked_checkpoints_equal_the_loop_for_strong_softplus_decays(erase_every, chunk, base2, gen):
+    """Checkpoints inside chunks that take the anchored products (decays past e^-600) are finite and the loop's."""
+    x = _strong_softplus(gen, erase_every=erase_every)
+    args = {**x, **_checkpoint_call(x, C=32, M=4, gen=gen), "gate_kind": "softplus", "beta_scale": 2.0}
+    _, pool_loop = reference.reference_loop(**args)
+    _, pool_chunk = reference.reference_chunked(**args, chunk=chunk, base2=base2)
+    written = ~torch.isnan(pool_loop.flatten(1)).any(1)
+    assert torch.isfinite(pool_chunk[written]).all()
+    assert rel(pool_chunk[written], pool_loop[written]) <= AGREE_REL
+
+
+@pytest.mark.parametrize("form", ["loop", "chunked"])
+def test_checkpoints_are_the_final_states_of_prefixes(form, gen):
+    """Slot checkpoint_indices[n, m] holds the final state of sequence n's first (m+1)·C tokens run alone, for every
+    (m+1)·C <= its length; negative entries and entries >= P write nothing; a checkpoint naming its sequence's own
+    state slot gives way to the final state; out and the final states are those of the call without checkpoints."""
+    fn = reference.reference_loop if form == "loop" else reference.reference_chunked
+    seqlens = (50, 16, 0, 33)
+    x = make(1, 0, 1, seqlens=seqlens, gen=gen, lower_bound=-0.5)
+    C, M = 16, 4
+    pools = _checkpoint_call(x, C=C, M=M, gen=gen, negative=((0, 1),), past_the_pool=((3, 0),),
+                             own_slot=((0, 2),))
+    out, pool = fn(**{**x, **pools})
+    plain_out, plain_pool = fn(**{**x, **pools, "checkpoint_indices": None, "checkpoint_every": 0})
+    assert torch.equal(out, plain_out)
+    finals = pools["state_indices"]
+    assert torch.equal(pool[finals], plain_pool[finals])
+
+    cu = x["cu_seqlens"].tolist()
+    written = torch.zeros(pool.shape[0], dtype=torch.bool)
+    written[finals] = True
+    for n, length in enumerate(seqlens):
+        for m in range(M):
+            slot = int(pools["checkpoint_indices"][n, m])
+            if (m + 1) * C > length or not 0 <= slot < pool.shape[0] or slot == int(finals[n]):
+                continue
+            tokens = slice(cu[n], cu[n] + (m + 1) * C)
+            prefix = {name: x[name][:, tokens] for name in ("q", "k", "v", "g", "beta")}
+            rest = {name: x[name] for name in ("scale", "A_log", "dt_bias", "lower_bound")}
+            _, state = reference.reference_loop(**prefix, **rest,
+                                                initial_state=pools["initial_state"][finals[n]].unsqueeze(0))
+            assert rel(pool[slot], state[0]) <= AGREE_REL, (n, m)
+            written[slot] = True
+    assert written.sum() == len(finals) + 3  # (0, 0), (0, 1) is negative, (0, 2) is the final slot; (1, 0); (3, 1)
+    assert torch.isnan(pool[~written]).all()
+
+
+def test_checkpoints_need_pools(gen):
+    x = make(2, 32, 1, gen=gen)
+    for fn in (reference.reference_loop, reference.reference_chunked):
+        with pytest.raises(ValueError, match=r"checkpoint_indices needs state_indices \[N\]"):
+            fn(**x, checkpoint_indices=torch.zeros(2, 1, dtype=torch.int64), checkpoint_every=16)

@@ -107,12 +107,29 @@ CHILD = textwrap.dedent(
                      state_dtype="fp32"), chunked),
         (matrix.Case("gate_softplus", H=2, T=9, gate="softplus", inputs="decay=-960", state_dtype="bf16"),
          automatic),  # decode
+        # Per-token states (state_indices [N, L], accepted starts): the decode kernel, and the chunked kernels
+        # followed by the per-token pass (padding row, a sequence longer than L).
+        (matrix.Case("token_states", H=2, B=3, T=4, state_tokens=4, pool=14, state_dtype="bf16", inplace_state=True),
+         automatic),
+        (matrix.Case("token_states", H=2, seqlens=(0, 7, 3, 40), state_tokens=4, pool=14, padding=1,
+                     state_dtype="fp32"), chunked),
+        # Checkpoints on every plan kind: the finishing pass (unsplit and time split), the single pass, the overlap
+        # and the decode kernel, with sequences shorter than C and empty ones.
+        (matrix.Case("checkpoints", H=2, B=2, T=90, checkpoint_every=32, pool=10, state_dtype="fp32"), automatic),
+        (matrix.Case("checkpoints", H=2, seqlens=(0, 40, 100, 5), checkpoint_every=16, pool=33, state_dtype="bf16",
+                     inplace_state=True), lambda: testing.force_plan(v_split=1, segment_chunks=2, scan_v_split=1)),
+        (matrix.Case("checkpoints", H=2, seqlens=(0, 16, 0, 150, 5), checkpoint_every=64, pool=21,
+                     state_dtype="bf16"), lambda: testing.force_plan(single_pass=True)),
+        (matrix.Case("checkpoints", H=2, B=2, T=90, checkpoint_every=32, pool=9, state_dtype="bf16"),
+         lambda: testing.force_plan(lead_chunks=2)),
+        (matrix.Case("checkpoints", H=2, seqlens=(3, 40, 0), checkpoint_every=16, pool=13, state_dtype="fp32"),
+         lambda: testing.force_plan(decode=True)),
     ]
     for case, plan in cases:
         # Inputs made on the CPU: fewer foreign kernels under the sanitizer.
         x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
         with plan():
-            flash_kda.fwd(**matrix.fwd_args(x))
+            flash_kda.fwd(**matrix.fwd_args(x), **matrix.serving_args(x))
         torch.cuda.synchronize()
         print("ran", case.id, flush=True)
 
@@ -172,10 +189,24 @@ CHILD = textwrap.dedent(
             message = flash_kda.last_error()
             assert message is not None and "state_indices[1]" in message, (plan_name, message)
             print("ran bad state index", plan_name, index_dtype, flush=True)
+
+    # A CUDA checkpoint entry past the pool under the same plan kinds: skipped (nothing written outside the pool),
+    # named by the device word.
+    for plan_name, plan in bad_index_plans:
+        case = matrix.Case("checkpoints", H=2, B=4, T=90, checkpoint_every=32, pool=20, state_dtype="fp32")
+        x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
+        x["checkpoint_indices"][1, 0] = 1 << 30
+        with plan():
+            flash_kda.fwd(**matrix.fwd_args(x), **matrix.serving_args(x))
+        torch.cuda.synchronize()
+        message = flash_kda.last_error()
+        assert message is not None and "checkpoint_indices[1]" in message, (plan_name, message)
+        print("ran bad checkpoint index", plan_name, flush=True)
     """
 )
 MALFORMED_RUNS = 5 * 6  # malformed boundaries x plan kinds in CHILD
 BAD_INDEX_RUNS = 2 * 5  # index dtypes x plan kinds of the state index past the pool in CHILD
+BAD_CHECKPOINT_RUNS = 5  # plan kinds of the checkpoint entry past the pool in CHILD
 
 
 def find_sanitizer() -> str | None:
@@ -205,6 +236,6 @@ def test_compute_sanitizer(tool: str) -> None:
     assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
     assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
     ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
-    # One Case( builds the malformed runs, one the bad state index runs.
-    expected = CHILD.count("matrix.Case(") - 2 + MALFORMED_RUNS + BAD_INDEX_RUNS
+    # One Case( builds the malformed runs, one the bad state index runs, one the bad checkpoint entry runs.
+    expected = CHILD.count("matrix.Case(") - 3 + MALFORMED_RUNS + BAD_INDEX_RUNS + BAD_CHECKPOINT_RUNS
     assert len(ran) == expected, f"{len(ran)} of {expected} cases ran under {tool}:\n{tail}"

@@ -311,9 +311,10 @@ HV = G * H
 
 
 def _full_args(x: dict) -> tuple:
-    """validate's / well_formed's 18 positional arguments for the argument dict x (fwd's keywords included)."""
+    """validate's / well_formed's 20 positional arguments for the argument dict x (fwd's keywords included)."""
     return (*_args(x)[:13], x.get("workspace"), x.get("state_indices"), x.get("gate", "lower_bound"),
-            x.get("allow_neg_eigval", False), x.get("num_accepted_tokens"))
+            x.get("allow_neg_eigval", False), x.get("num_accepted_tokens"), x.get("checkpoint_indices"),
+            x.get("checkpoint_every", 0))
 
 
 def accepted(x: dict, *, usual: bool = True) -> tuple:
@@ -1572,3 +1573,293 @@ def test_plan_type_has_the_decode_field():
     assert chunked._replace(decode=True) == plan and plan._replace(decode=False) == chunked
     assert plan._replace(v_split=2).decode
     assert pickle.loads(pickle.dumps(plan)) == plan
+
+
+# --- prefix-cache checkpoints (checkpoint_indices [N, M], checkpoint_every) ------------------------------------------
+
+CHECKPOINT_P = 8  # pool slots of the checkpoint calls below (N = B = 2 sequences in slots 3 and 0)
+
+
+def checkpoint_inputs(*, indices=((4, 5), (6, -1)), index_dtype=torch.int64, every=16, T: int = T) -> dict:
+    """Valid checkpoint CPU arguments: B = 2 sequences of T tokens in slots (3, 0) of two pools of CHECKPOINT_P slots,
+    checkpoint_indices [2, M] = ``indices`` every ``every`` tokens."""
+    x = pool_inputs(P=CHECKPOINT_P)
+    if T != x["q"].shape[1]:
+        x = {**inputs(B=2, T=T, state=None), **{n: x[n] for n in ("initial_state", "final_state", "state_indices")}}
+    x["checkpoint_indices"] = torch.tensor(indices, dtype=index_dtype).reshape(2, -1)
+    x["checkpoint_every"] = every
+    return x
+
+
+def checkpoint_raises(exc: type[Exception], pattern: str, **changes):
+    """fwd with the checkpoint arguments changed as given raises exc matching pattern, and writes nothing."""
+    x = {**checkpoint_inputs(), **changes}
+    before = x["out"].clone()
+    pool = None if x["final_state"] is None else x["final_state"].clone()
+    with pytest.raises(exc, match=pattern):
+        flash_kda.fwd(**x)
+    assert torch.equal(x["out"].view(torch.int16), before.view(torch.int16)), "a refused call must write nothing"
+    if pool is not None:
+        assert torch.equal(x["final_state"], pool), "a refused call must write nothing"
+
+
+CHECKPOINT_VARIANTS = {
+    "int64": {},
+    "int32": dict(index_dtype=torch.int32),
+    "M0": dict(indices=((), ())),
+    "M1": dict(indices=((4,), (5,))),
+    "negative": dict(indices=((-1, -7), (-1, -2))),
+    "every_1024": dict(every=1024),
+    "written": dict(T=40, indices=((4, 5, 6), (7, -1, 1))),  # two checkpoints each (16, 32 <= 40 tokens)
+}
+
+
+@pytest.mark.parametrize("variant", list(CHECKPOINT_VARIANTS))
+def test_checkpoints_are_accepted(variant):
+    """checkpoint_indices [N, M] with state_indices [N]: the tight pass accepts them (no fallback) and agrees with
+    the ordered checks; the call runs (the CPU path)."""
+    x = checkpoint_inputs(**CHECKPOINT_VARIANTS[variant])
+    assert accepted(x) == (2, x["q"].shape[1], H, 2, H)
+    flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("variant", ["in_place", "final_only", "bf16_pools", "gva_softplus", "varlen_int32"])
+def test_checkpoints_are_accepted_with_other_options(variant):
+    x = checkpoint_inputs()
+    dims = (2, T, H, 2, H)
+    if variant == "in_place":
+        x["final_state"] = x["initial_state"]
+    elif variant == "final_only":
+        x["initial_state"] = None
+    elif variant == "bf16_pools":
+        x["initial_state"], x["final_state"] = x["initial_state"].bfloat16(), x["final_state"].bfloat16()
+    elif variant == "gva_softplus":
+        x = {**inputs(G=G, B=2, state=None), "initial_state": torch.zeros(CHECKPOINT_P, HV, D, D),
+             "final_state": torch.zeros(CHECKPOINT_P, HV, D, D), "gate": "softplus", "lower_bound": None,
+             **{n: x[n] for n in ("state_indices", "checkpoint_indices", "checkpoint_every")}}
+        dims = (2, T, HV, 2, H)
+    elif variant == "varlen_int32":
+        x = {**varlen_inputs(cu_dtype=torch.int32), "initial_state": torch.zeros(CHECKPOINT_P, H, D, D),
+             "final_state": torch.zeros(CHECKPOINT_P, H, D, D), "state_indices": torch.tensor([0, 1, 2]),
+             "checkpoint_indices": torch.tensor([[3], [4], [-1]], dtype=torch.int32), "checkpoint_every": 16}
+        dims = (1, T, H, 3, H)
+    assert accepted(x) == dims
+    flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool])
+def test_checkpoint_indices_dtype(dtype):
+    checkpoint_raises(TypeError, re.escape(f"checkpoint_indices must be int64 or int32, got "
+                                           f"checkpoint_indices.dtype={dtype}"),
+                      checkpoint_indices=torch.tensor([[4, 5], [6, 7]]).to(dtype))
+
+
+def test_checkpoint_indices_not_a_tensor():
+    checkpoint_raises(TypeError, r"checkpoint_indices must be a torch.Tensor or None, got type\(t\)=<class 'list'>",
+                      checkpoint_indices=[[4, 5], [6, -1]])
+
+
+def test_checkpoint_indices_device():
+    checkpoint_raises(ValueError, r"all tensors must be on one device, got q.device=cpu but "
+                      r"checkpoint_indices.device=meta",
+                      checkpoint_indices=torch.zeros(2, 2, dtype=torch.int64, device="meta"))
+
+
+def test_checkpoint_indices_on_the_host_beside_cuda_tensors_are_refused(monkeypatch):
+    """A CUDA call reads checkpoint_indices on the device at every launch (never copied from the host): a CPU tensor
+    beside CUDA q is refused by name (fake CUDA tensors: no GPU needed; the GPU test runs the real call)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = checkpoint_inputs()
+    host = x["checkpoint_indices"]
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = {n: mode.from_tensor(t).to("cuda:0") if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+        fake["checkpoint_indices"] = mode.from_tensor(host)  # stays on the CPU
+        with pytest.raises(ValueError, match=re.escape(
+                "checkpoint_indices must be on q's device (the kernels read it at every launch; it is not copied "
+                "from the host), got checkpoint_indices.device=cpu with q.device=cuda:0")):
+            validation.validate(*_full_args(fake), concrete=False)
+        # the host index arguments may stay on the CPU: only checkpoint_indices is refused there
+        fake["checkpoint_indices"] = mode.from_tensor(host).to("cuda:0")
+        fake["state_indices"] = mode.from_tensor(x["state_indices"])
+        assert validation.validate(*_full_args(fake), concrete=False) == (2, T, H, 2, H)
+
+
+def test_checkpoint_indices_non_contiguous():
+    checkpoint_raises(ValueError, r"checkpoint_indices must be contiguous, got checkpoint_indices.stride\(\)=\(1, 2\)",
+                      checkpoint_indices=torch.tensor([[4, 6], [5, -1]]).t())
+
+
+@pytest.mark.parametrize("shape", [(2,), (3, 2), (1, 2), (2, 1, 1), (), (0, 2)])
+def test_checkpoint_indices_shape(shape):
+    checkpoint_raises(ValueError, re.escape("checkpoint_indices must be 2-D [N, M] = [2, M] (a slot for each of a "
+                                            "sequence's M checkpoints, M >= 0), got "
+                                            f"checkpoint_indices.shape=torch.Size({list(shape)})"),
+                      checkpoint_indices=torch.full(shape, -1, dtype=torch.int64))
+
+
+def test_checkpoint_indices_shape_varlen_counts_sequences():
+    x = varlen_inputs()  # N = 3
+    x.update(initial_state=torch.zeros(CHECKPOINT_P, H, D, D), final_state=torch.zeros(CHECKPOINT_P, H, D, D),
+             state_indices=torch.tensor([0, 1, 2]), checkpoint_indices=torch.tensor([[3], [4]]), checkpoint_every=16)
+    with pytest.raises(ValueError, match=re.escape("checkpoint_indices must be 2-D [N, M] = [3, M]")):
+        flash_kda.fwd(**x)
+
+
+def test_checkpoint_indices_need_state_indices():
+    """Checkpoints go into the pool: dense states have none to write them to."""
+    x = {**inputs(B=2), "checkpoint_indices": torch.tensor([[0], [1]]), "checkpoint_every": 16}
+    before = x["final_state"].clone()
+    with pytest.raises(ValueError, match=re.escape(
+            "checkpoint_indices needs state_indices [N] (one slot per sequence; checkpoints are written into the pool "
+            "it indexes), got state_indices=None with checkpoint_indices.shape=torch.Size([2, 1])")):
+        flash_kda.fwd(**x)
+    assert torch.equal(x["final_state"], before)
+
+
+def test_checkpoint_indices_refuse_per_token_state_indices():
+    checkpoint_raises(ValueError, re.escape("checkpoint_indices needs state_indices [N] (one slot per sequence; "
+                                            "checkpoints are written into the pool it indexes), got "
+                                            "state_indices.shape=torch.Size([2, 3])"),
+                      state_indices=torch.tensor([[3, 1, 2], [0, 7, -1]]))
+
+
+def test_checkpoint_indices_need_final_state():
+    checkpoint_raises(ValueError, re.escape("checkpoint_indices writes each checkpoint into the pool final_state, got "
+                                            "final_state=None with checkpoint_indices.shape=torch.Size([2, 2]) (pass "
+                                            "final_state=initial_state to write the pool in place)"),
+                      final_state=None)
+
+
+@pytest.mark.parametrize("every", [True, False, 16.0, "16", None, torch.tensor(16)], ids=repr)
+def test_checkpoint_every_must_be_an_int(every):
+    checkpoint_raises(TypeError, re.escape(f"checkpoint_every must be an int (tokens between checkpoints), got "
+                                           f"checkpoint_every={every!r} of type(checkpoint_every)={type(every)!r}"),
+                      checkpoint_every=every)
+
+
+@pytest.mark.parametrize("every", [0, 8, 15, 17, 24, -16, 1000])
+def test_checkpoint_every_must_be_a_positive_multiple_of_16(every):
+    checkpoint_raises(ValueError, re.escape(f"checkpoint_every must be a positive multiple of 16 (checkpoints fall on "
+                                            f"chunk boundaries), got checkpoint_every={every} with "
+                                            "checkpoint_indices given"),
+                      checkpoint_every=every)
+
+
+@pytest.mark.parametrize("every", [16, -16, 7])
+def test_checkpoint_every_needs_checkpoint_indices(every):
+    checkpoint_raises(ValueError, re.escape(f"checkpoint_every needs checkpoint_indices (the slots the checkpoints go "
+                                            f"to), got checkpoint_every={every} with checkpoint_indices=None"),
+                      checkpoint_indices=None, checkpoint_every=every)
+    x = {**inputs(), "checkpoint_every": every}  # (dense states too)
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_indices"):
+        flash_kda.fwd(**x)
+
+
+def test_checkpoint_every_zero_without_checkpoint_indices_is_the_plain_call():
+    x = {**pool_inputs(), "checkpoint_indices": None, "checkpoint_every": 0}
+    assert accepted(x) == (2, T, H, 2, H)
+    flash_kda.fwd(**x)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(
+    "indices, entry, value",
+    [(((8, 5), (6, -1)), "[0, 0]", 8), (((4, 5), (6, 99)), "[1, 1]", 99), (((4, 8), (9, -1)), "[0, 1]", 8)],
+)
+def test_checkpoint_indices_past_the_pool_are_refused_on_the_host(indices, entry, value, index_dtype):
+    """Every entry is checked against P, also those whose checkpoint lies past the sequence's end (T = 5 < 16 here:
+    nothing would be written)."""
+    checkpoint_raises(ValueError, re.escape(f"checkpoint_indices{entry} = {value} is past the pool's last slot "
+                                            f"(P = {CHECKPOINT_P}: the final_state pool's first dimension); negative "
+                                            "entries mean no checkpoint"),
+                      checkpoint_indices=torch.tensor(indices, dtype=index_dtype))
+
+
+def test_check_checkpoint_indices():
+    validation.check_checkpoint_indices(torch.tensor([[0, 5, -1], [2, -9, 5]]), 6)  # (repeats are not refused)
+    validation.check_checkpoint_indices(torch.zeros(3, 0, dtype=torch.int32), 1)  # M = 0
+    with pytest.raises(ValueError, match=re.escape("checkpoint_indices[1, 2] = 6 is past the pool's last slot (P = 6")):
+        validation.check_checkpoint_indices(torch.tensor([[0, 5, -1], [2, -9, 6]], dtype=torch.int32), 6)
+    with pytest.raises(ValueError, match=re.escape("checkpoint_indices[0, 0] = 3 is past the pool's last slot (P = 3")):
+        validation.check_checkpoint_indices(torch.tensor([[3], [7]]), 3)
+
+
+def test_checkpoint_indices_overlapping_an_output_are_refused():
+    x = checkpoint_inputs()
+    x["checkpoint_indices"] = x["final_state"].view(-1)[:4].view(torch.int32).view(2, 2)  # int32 zeros in the pool
+    with pytest.raises(ValueError, match="final_state overlaps checkpoint_indices in memory"):
+        flash_kda.fwd(**x)
+    x = checkpoint_inputs()
+    x["checkpoint_indices"] = x["out"].view(-1)[:8].view(torch.int32).view(2, 2)
+    with pytest.raises(ValueError, match="out overlaps checkpoint_indices in memory"):
+        flash_kda.fwd(**x)
+
+
+# Calls with checkpoints that validate refuses: the tight pass must not accept any of them.
+CHECKPOINT_ERRORS = {
+    "dtype": dict(checkpoint_indices=torch.zeros(2, 2, dtype=torch.int16)),
+    "list": dict(checkpoint_indices=[[4, 5], [6, 7]]),
+    "meta": dict(checkpoint_indices=torch.zeros(2, 2, dtype=torch.int64, device="meta")),
+    "strided": dict(checkpoint_indices=torch.tensor([[4, 6], [5, -1]]).t()),
+    "1d": dict(checkpoint_indices=torch.tensor([4, 5])),
+    "N_mismatch": dict(checkpoint_indices=torch.zeros(3, 2, dtype=torch.int64)),
+    "no_state_indices": dict(state_indices=None, initial_state=torch.zeros(2, H, D, D),
+                             final_state=torch.zeros(2, H, D, D)),
+    "per_token": dict(state_indices=torch.tensor([[3, 1], [0, 7]])),
+    "no_final_state": dict(final_state=None),
+    "every_0": dict(checkpoint_every=0),
+    "every_24": dict(checkpoint_every=24),
+    "every_bool": dict(checkpoint_every=True),
+    "every_float": dict(checkpoint_every=16.0),
+    "every_without_indices": dict(checkpoint_indices=None),
+    "every_float_zero_without_indices": dict(checkpoint_indices=None, checkpoint_every=0.0),
+    "every_false_without_indices": dict(checkpoint_indices=None, checkpoint_every=False),
+}
+
+
+@pytest.mark.parametrize("changes", list(CHECKPOINT_ERRORS.values()), ids=list(CHECKPOINT_ERRORS))
+def test_well_formed_never_accepts_bad_checkpoint_arguments(changes):
+    x = {**checkpoint_inputs(), **changes}
+    assert validation.well_formed(*_full_args(x)) is None
+    with pytest.raises((TypeError, ValueError)):
+        validation.validate(*_full_args(x), concrete=True)
+
+
+def test_fake_implementation_checks_checkpoint_arguments():
+    """The operator's fake implementation accepts checkpoints and refuses bad ones with fwd's messages (contents are
+    not read while tracing: an entry past the pool passes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_kda import ops
+
+    x = checkpoint_inputs(indices=((99, 5), (6, -1)))
+    with FakeTensorMode() as mode:
+        fake = {n: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+        ops._fwd_fake(*_full_args(fake))
+        with pytest.raises(ValueError, match=re.escape("checkpoint_indices must be 2-D [N, M] = [2, M]")):
+            ops._fwd_fake(*_full_args({**fake, "checkpoint_indices": mode.from_tensor(torch.zeros(3, 1,
+                                                                                            dtype=torch.int64))}))
+        with pytest.raises(ValueError, match="checkpoint_indices writes each checkpoint into the pool final_state"):
+            ops._fwd_fake(*_full_args({**fake, "final_state": None}))
+        with pytest.raises(ValueError, match="checkpoint_every must be a positive multiple of 16"):
+            ops._fwd_fake(*_full_args({**fake, "checkpoint_every": 40}))
+
+
+def test_compiled_call_takes_a_checkpoint_every_that_changes():
+    """torch.compile traces an int argument that changed between calls as a symbol (a SymInt reaches the fake
+    implementation): it is accepted as an int, and each compiled call equals the eager one (the CPU path)."""
+    x = checkpoint_inputs(T=40, indices=((4, 5), (6, 7)))
+
+    def call(out, final_state, every):
+        flash_kda.fwd(**{**x, "out": out, "final_state": final_state, "checkpoint_every": every})
+        return out
+
+    compiled = torch.compile(call, fullgraph=True)
+    for every in (16, 32, 48):
+        got = (torch.empty_like(x["out"]), torch.full_like(x["final_state"], float("nan")))
+        want = (torch.empty_like(x["out"]), torch.full_like(x["final_state"], float("nan")))
+        compiled(*got, every)
+        call(*want, every)
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(got[1].nan_to_num(), want[1].nan_to_num())

@@ -24,7 +24,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         initial_state: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
         state_indices: torch.Tensor | None = None, gate: str = "lower_bound", allow_neg_eigval: bool = False,
-        num_accepted_tokens: torch.Tensor | None = None) -> None:
+        num_accepted_tokens: torch.Tensor | None = None, checkpoint_indices: torch.Tensor | None = None,
+        checkpoint_every: int = 0) -> None:
     """Kimi Delta Attention forward: writes the output into ``out`` and the last state into ``final_state`` (with
     per-token ``state_indices``, the state after each of a sequence's first L tokens).
 
@@ -68,6 +69,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     | gate | str | — | "lower_bound" (default) or "softplus": the decay's activation, above (keyword only) |
     | allow_neg_eigval | bool | — | β = 2·sigmoid(beta) instead of sigmoid(beta) (keyword only; default False) |
     | num_accepted_tokens | None / int64 / int32 | [N] | with state_indices [N, L] only: a_n, sequence n starts from slot state_indices[n, a_n − 1] (keyword only; None: a_n = 1); may be on the CPU |
+    | checkpoint_indices | None / int64 / int32 | [N, M] | with pooled states (state_indices [N]): the pool slot of the state after the first (m + 1)·C tokens of sequence n (keyword only; below); on q's device |
+    | checkpoint_every | int | — | C, a multiple of 16, with checkpoint_indices (keyword only; default 0: none) |
 
     K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
     bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
@@ -98,6 +101,16 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     and copied into the workspace like ``state_indices`` [N]; a CUDA ``num_accepted_tokens`` is read by the
     kernels, where an a_n outside [1, L] means no starting slot (zeros) and ``flash_kda.last_error()`` reports it.
 
+    Prefix-cache checkpoints (``checkpoint_indices`` [N, M] with ``checkpoint_every`` = C, pooled states only):
+    the state after the first (m + 1)·C tokens of sequence n is written to pool slot ``checkpoint_indices[n, m]``
+    of ``final_state`` for every m < M with (m + 1)·C <= its length, in the pool's dtype, before the final state
+    (a final slot among them ends with the final state; for a length that is a multiple of C the two are the same
+    bits). Positions count from the sequence's first token in this call, so a call that continues a sequence from a
+    checkpoint starts at a multiple of C. A negative entry writes nothing; an entry >= P writes nothing, and
+    ``flash_kda.last_error()`` names it (a CPU ``checkpoint_indices``, on the CPU path, is checked before the call).
+    Every plan writes them, from the state its own recurrence holds at that token (docs/NUMERICS.md, "Checkpoints");
+    ``out`` and the final states are those of the same call without checkpoints, bit for bit.
+
     CUDA: needs compute capability 9.0 (sm_90a). The call never synchronises with the host and allocates no
     device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of a
     CUDA ``cu_seqlens`` are therefore not checked on the host: the kernel clamps malformed boundaries into
@@ -119,6 +132,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         from flash_kda import ops  # noqa: PLC0415 -- registers the operator on first use
 
         return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                          cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens)
+                          cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
+                          checkpoint_indices, checkpoint_every)
     return _run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-                workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens)
+                workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens, checkpoint_indices,
+                checkpoint_every)

@@ -18,6 +18,7 @@ from flash_kda.validation import (
     GATE_CODES,
     HEAD_DIM,
     PARAM_TYPES,
+    check_checkpoint_indices,
     check_cu_seqlens,
     check_num_accepted_tokens,
     check_state_indices,
@@ -31,17 +32,20 @@ from flash_kda.validation import (
 
 __all__ = ["run", "run_cpu", "last_error", "reserve_workspace"]
 
+# C / 16 reaches the kernels as an int; a larger C than any sequence could reach means no checkpoint either way.
+_MAX_CHECKPOINT_CHUNKS = 1 << 30
+
 
 def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
         workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None,
-        cached_workspace: bool = True) -> None:
+        checkpoint_indices=None, checkpoint_every=0, cached_workspace: bool = True) -> None:
     """``fwd`` outside tracing (the same arguments, all given): validate, then run the CUDA kernel or the CPU path.
 
     Without ``workspace``, a CUDA call uses the per-stream cache, or with ``cached_workspace=False`` a temporary
     of its own (the operator's choice, ops.py). H below is the value heads (v's); q and k have H // G key heads."""
     B, T, H, N, key_heads = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                                      final_state, cu_seqlens, workspace, state_indices, gate, allow_neg_eigval,
-                                     num_accepted_tokens, concrete=True)
+                                     num_accepted_tokens, checkpoint_indices, checkpoint_every, concrete=True)
     K = HEAD_DIM
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
@@ -63,6 +67,8 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
             accepted_on_host = num_accepted_tokens.device.type == "cpu"
             if accepted_on_host:
                 check_num_accepted_tokens(num_accepted_tokens, state_tokens)  # on the host: free there
+        if checkpoint_indices is not None and checkpoint_indices.device.type == "cpu":
+            check_checkpoint_indices(checkpoint_indices, P)  # (the CPU path's: CUDA calls take CUDA ones)
 
     # --- nothing to compute: no launch with an empty grid, but final_state is still defined (per-token states: no
     # token, so no state is written).
@@ -79,7 +85,8 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     if q.device.type == "cpu":
         run_cpu(q, k, v, g, beta, float(scale), out, A_log, None if dt_bias is None else dt_bias.view(H, K),
                 None if lower_bound is None else float(lower_bound), initial_state, final_state, cu_seqlens,
-                state_indices, gate, allow_neg_eigval, num_accepted_tokens)  # fmt: skip
+                state_indices, gate, allow_neg_eigval, num_accepted_tokens, checkpoint_indices,
+                checkpoint_every)  # fmt: skip
         return None
 
     C = _ext.load()
@@ -131,9 +138,11 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     # (host copies were validated above: no device check).
     indices_on_device = state_indices is not None and not indices_on_host
     accepted_on_device = num_accepted_tokens is not None and not accepted_on_host
+    # (checkpoint_indices of a CUDA call are on the device: validate)
     status = (_status_word(index)
-              if (cu_seqlens is not None and not cu_on_host) or indices_on_device or accepted_on_device else None)
-    if indices_on_device:
+              if (cu_seqlens is not None and not cu_on_host) or indices_on_device or accepted_on_device
+              or checkpoint_indices is not None else None)
+    if indices_on_device or checkpoint_indices is not None:
         _note_pool_slots(index, P)
     if state_tokens and (indices_on_device or accepted_on_device):
         _per_token_devices.add(index)
@@ -142,7 +151,7 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     # codes, shape with the scalars, the plan, and where to launch. (Pointers read inline, 0 for None: a helper
     # function's call per tensor is host time too.) Shape: (B, T, N, value heads, scale, lower_bound (0.0 for the
     # softplus gate, which does not use it), P, key heads, gate code, β's scale (2 allows negative eigenvalues),
-    # state_tokens: L of per-token state_indices [N, L], 0 otherwise).
+    # state_tokens: L of per-token state_indices [N, L], 0 otherwise; the checkpoints' M and C / 16, or 0, 0).
     C.fwd(
         (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
          0 if A_log is None else A_log.data_ptr(), 0 if A_log is None else PARAM_TYPES[A_log.dtype],
@@ -157,9 +166,13 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
          0 if state_indices is None else state_indices.data_ptr(),
          state_indices is not None and state_indices.dtype == torch.int64,
          0 if num_accepted_tokens is None else num_accepted_tokens.data_ptr(),
-         num_accepted_tokens is not None and num_accepted_tokens.dtype == torch.int64),
+         num_accepted_tokens is not None and num_accepted_tokens.dtype == torch.int64,
+         0 if checkpoint_indices is None else checkpoint_indices.data_ptr(),
+         checkpoint_indices is not None and checkpoint_indices.dtype == torch.int64),
         (B, T, N, H, float(scale), 0.0 if gate_code else float(lower_bound), P, key_heads, gate_code,
-         2.0 if allow_neg_eigval else 1.0, state_tokens),
+         2.0 if allow_neg_eigval else 1.0, state_tokens,
+         0 if checkpoint_indices is None else checkpoint_indices.shape[1],
+         0 if checkpoint_indices is None else min(int(checkpoint_every) // C.CHUNK, _MAX_CHECKPOINT_CHUNKS)),
         plan,
         (workspace.data_ptr(), workspace.numel(), 0 if status is None else status, stream, index),
     )  # fmt: skip
@@ -195,11 +208,13 @@ def _gib(nbytes: int) -> str:
 
 
 def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-            state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None):
+            state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None,
+            checkpoint_indices=None, checkpoint_every=0):
     """The CPU path (``numerics.cpu_forward``), its results copied into ``out`` and ``final_state`` (with
     ``state_indices`` [N]: into the named slots of the pool ``final_state``, ``pools.scatter``; with per-token
     ``state_indices`` [N, L]: the pool ``cpu_forward`` returns, its written slots holding the states after each
-    token by the recurrence, ``pools.run_pooled_tokens``).
+    token by the recurrence, ``pools.run_pooled_tokens``; with ``checkpoint_indices`` [N, M]: likewise the pool
+    ``cpu_forward`` returns, its checkpoint slots and named slots copied back, ``pools.checkpoint_entries``).
 
     Refuses (MemoryError, before any work) a call whose working memory exceeds what the host has available."""
     from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
@@ -212,6 +227,10 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
         # the fp32 states after each of the first L tokens [N, L, H, V, K] and the final pool in fp32
         needed += 4 * HEAD_DIM * HEAD_DIM * H * (state_indices.numel() + final_state.shape[0])
         also = f" and fp32 states [N·L + P = {state_indices.numel() + final_state.shape[0]}, H, V, K]"
+    elif checkpoint_indices is not None:
+        # at most N·M checkpoint states [E, H, V, K] and the final pool in fp32
+        needed += 4 * HEAD_DIM * HEAD_DIM * H * (checkpoint_indices.numel() + final_state.shape[0])
+        also = f" and fp32 states [N·M + P = {checkpoint_indices.numel() + final_state.shape[0]}, H, V, K]"
     available = available_host_memory()
     if available is not None and needed > available:
         raise MemoryError(
@@ -238,6 +257,22 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
         lengths = sequence_lengths(cu_seqlens, B, T).view(N, 1)
         written = (torch.arange(L).view(1, L) < lengths) & (indices >= 0) & (indices < final_state.shape[0])
         slots = indices[written]
+        final_state[slots] = pool[slots].to(final_state.dtype)
+        return
+    if checkpoint_indices is not None:
+        # As for per-token slots: the whole final pool in fp32 comes back (final_state is required with
+        # checkpoints), and only the slots written (checkpoints, then the named slots) are copied back, bit for
+        # bit what the pool holds there (a final state over a checkpoint it shares a slot with).
+        o, pool = numerics.cpu_forward(
+            q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            state_indices=state_indices, final_state=final_state, gate_kind=gate, beta_scale=beta_scale,
+            checkpoint_indices=checkpoint_indices, checkpoint_every=checkpoint_every,
+        )
+        out.copy_(o)
+        P = final_state.shape[0]
+        _, checkpoint_slots = pools.checkpoint_entries(checkpoint_indices, checkpoint_every,
+                                                       sequence_lengths(cu_seqlens, B, T), P)
+        slots = torch.cat([checkpoint_slots, pools.named(state_indices, P)[1].to(torch.int64)])
         final_state[slots] = pool[slots].to(final_state.dtype)
         return
     # With pools: the dense initial states of the sequences' slots (a fresh tensor), pools.gather.
@@ -297,8 +332,8 @@ def _status_word(index: int) -> int:
 
 
 def last_error(device: torch.device | str | int | None = None) -> str | None:
-    """The first malformed ``cu_seqlens``, ``state_indices`` or ``num_accepted_tokens`` a CUDA call on ``device``
-    met since the last query, or None.
+    """The first malformed ``cu_seqlens``, ``state_indices``, ``num_accepted_tokens`` or ``checkpoint_indices`` a
+    CUDA call on ``device`` met since the last query, or None.
 
     ``fwd`` never reads a CUDA ``cu_seqlens`` or ``state_indices`` on the host (that would synchronise); a small
     kernel checks the boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and the
@@ -326,6 +361,13 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
     _per_token_devices.discard(index)
     if first_bad >= C.STATUS_CLEAR:  # (the value of a word that no malformed boundary lowered)
         return None
+    if first_bad >= C.STATUS_CHECKPOINT_INDEX_BASE:
+        n = first_bad - C.STATUS_CHECKPOINT_INDEX_BASE
+        pool = f"P = {sizes[0]}" if len(sizes) == 1 else "P of that call; the calls since the last query had P in " + str(sizes)
+        return (
+            f"flash_kda: a call on cuda:{device_index(device)} got a malformed checkpoint_indices: an entry of "
+            f"checkpoint_indices[{n}] is past the pool's last slot ({pool}); no checkpoint was written there"
+        )
     if first_bad >= C.STATUS_STATE_INDEX_BASE:
         n = first_bad - C.STATUS_STATE_INDEX_BASE
         pool = f"P = {sizes[0]}" if len(sizes) == 1 else "P of that call; the calls since the last query had P in " + str(sizes)

@@ -14,10 +14,16 @@ recurrence_step.cuh), step for step and in the same order. What differs is the a
 
 Rows past the end of a sequence are zero (q = k = v = 0, γ = 0, β = 0), which makes them inert, exactly as
 in the kernel.
+
+Checkpoints (``checkpoint_indices``, ``checkpoint_every`` = C): the state of sequence n after its first (m+1)·C
+tokens is the state the plan's own recurrence holds there: after the step that ends chunk (m+1)·C/16 in the
+chunked stepping (under the time split, the stepping of the unit that finishes that segment), after token
+(m+1)·C − 1 in the decode kernel's recurrence.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable, Optional
 
@@ -298,17 +304,20 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
 
 
 def _run_units(prep: dict, states: torch.Tensor, first_chunk: list, counts: list, ar: Arithmetic,
-               out_chunks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out_chunks: Optional[torch.Tensor] = None, capture: Optional[dict] = None) -> torch.Tensor:
     """Runs every unit u from ``states[u]`` over chunks first_chunk[u] .. first_chunk[u] + counts[u] - 1, all
     units in lockstep (recurrence_step.cuh's step); returns the end states [U, H, R, K].
 
     A unit is a whole sequence, or one segment of the time split. ``states`` rows are independent: R = 128 state
     rows, or 256 when the time split's transition rows (which see v = 0) sit above the state rows.
-    ``out_chunks`` receives the outputs when given (R must be 128 then)."""
+    ``out_chunks`` receives the outputs when given (R must be 128 then). ``capture`` (checkpoints): a dict whose
+    keys are chunk ids; for each one a unit here steps through, it receives the unit's state after that chunk
+    [H, R, K]."""
     states = states.clone()
     device = states.device
     offsets = torch.tensor(first_chunk, dtype=torch.int64, device=device)
     n = len(counts)
+    captured_at = _capture_steps(capture, first_chunk, counts) if capture else None
     for step in range(max(counts, default=0)):
         active = [u for u in range(n) if counts[u] > step]
         if len(active) == n:
@@ -339,7 +348,25 @@ def _run_units(prep: dict, states: torch.Tensor, first_chunk: list, counts: list
         if prep["hi_lo"]:  # slow decay: + bf16(Uᵀ − U_hi)·Kr, after (kda_plan.h, hi_lo_state_update)
             s_new = ar.matmul(ar.operand(u_full - u_t.float()), kr, s_new)
         states[units] = s_new
+        if captured_at:
+            for u, chunk in captured_at.get(step, ()):
+                capture[chunk] = states[u].clone()
     return states
+
+
+def _capture_steps(capture: dict, first_chunk: list, counts: list) -> dict:
+    """step -> [(unit, chunk id)]: where the units (disjoint runs of chunks) pass the chunks ``capture`` names."""
+    order = sorted(range(len(counts)), key=lambda u: (first_chunk[u], counts[u]))  # (an empty unit before a tie)
+    starts = [first_chunk[u] for u in order]
+    steps: dict = {}
+    for chunk in capture:
+        i = bisect.bisect_right(starts, chunk) - 1
+        if i >= 0:
+            u = order[i]
+            step = chunk - first_chunk[u]
+            if step < counts[u]:
+                steps.setdefault(step, []).append((u, chunk))
+    return steps
 
 
 def _hi_lo(x: torch.Tensor, ar: Arithmetic) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,6 +398,16 @@ def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     sequence is cut into segments of L chunks; each segment but the last gets its affine map S_end = S_start·M + Q
     (M from the identity with v = 0, Q from zero), the maps are composed in order into every segment's start
     state, and every segment then runs from that state. Without it each sequence runs in one piece."""
+    return _chunked(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, ar,
+                    segment_chunks, gate_kind, beta_scale)
+
+
+def _chunked(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, ar: Arithmetic,
+             segment_chunks: int = 0, gate_kind: str = "lower_bound", beta_scale: float = 1.0,
+             checkpoints: Optional[list] = None) -> tuple:
+    """``chunked_forward``; with ``checkpoints`` [(n, t), ...] (t a positive multiple of 16, at most sequence n's
+    length) a third result: the state of sequence n after its first t tokens for each, fp32 [E, H, V, K], the state
+    held after the step that ends its chunk t/16 (under the time split: in the unit that finishes the segment)."""
     batch, seqlen, heads, _ = v.shape
     q, k = _key_heads_expanded(q, k, heads)
     device = q.device
@@ -382,27 +419,36 @@ def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         start = torch.zeros(n, heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     out_flat = torch.zeros(batch * seqlen, heads, HEAD_DIM, dtype=torch.bfloat16, device=device)
     num_chunks_total = layout.token_index.shape[0]
-    if num_chunks_total == 0:
-        return out_flat.view(batch, seqlen, heads, HEAD_DIM), start
+    # checkpoint (n, t) is the state after chunk t/16 of sequence n: its chunk id
+    chunk_ids = None if checkpoints is None else [layout.chunk_offset[n] + t // CHUNK - 1 for n, t in checkpoints]
+    capture = None if checkpoints is None else dict.fromkeys(chunk_ids)
+    if num_chunks_total == 0:  # (no tokens: no checkpoint either)
+        result = out_flat.view(batch, seqlen, heads, HEAD_DIM), start
+        return result if checkpoints is None else (*result, start.new_zeros(0, *start.shape[1:]))
 
     prep = _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout, ar, gate_kind, beta_scale)
     out_chunks = torch.empty(num_chunks_total, heads, CHUNK, HEAD_DIM, dtype=torch.bfloat16, device=device)
     offsets, counts = layout.chunk_offset, layout.num_chunks
     if segment_chunks <= 0:
-        state = _run_units(prep, start, offsets, counts, ar, out_chunks)
+        state = _run_units(prep, start, offsets, counts, ar, out_chunks, capture)
     else:
-        state = _split_forward(prep, start, offsets, counts, segment_chunks, ar, out_chunks)
+        state = _split_forward(prep, start, offsets, counts, segment_chunks, ar, out_chunks, capture)
 
     rows = out_chunks.transpose(1, 2)  # [C, 16, H, V]
     out_flat[layout.token_index[layout.valid]] = rows[layout.valid]
-    return out_flat.view(batch, seqlen, heads, HEAD_DIM), state
+    out = out_flat.view(batch, seqlen, heads, HEAD_DIM)
+    if checkpoints is None:
+        return out, state
+    recorded = (torch.stack([capture[c] for c in chunk_ids]) if chunk_ids
+                else state.new_zeros(0, *state.shape[1:]))
+    return out, state, recorded
 
 
 _BATCH_STATE_BYTES = 256 << 20  # fp32 state rows the twin's time split keeps in one batch of units
 
 
 def _run_batched(prep: dict, starts: list, first_chunk: list, counts: list, ar: Arithmetic,
-                 out_chunks: Optional[torch.Tensor] = None) -> list:
+                 out_chunks: Optional[torch.Tensor] = None, capture: Optional[dict] = None) -> list:
     """``_run_units`` over any number of units, in batches that bound the memory (units are independent)."""
     if not starts:
         return []
@@ -411,17 +457,20 @@ def _run_batched(prep: dict, starts: list, first_chunk: list, counts: list, ar: 
     ends = []
     for b in range(0, len(starts), size):
         batch = torch.stack(starts[b : b + size])
-        ends += list(_run_units(prep, batch, first_chunk[b : b + size], counts[b : b + size], ar, out_chunks))
+        ends += list(_run_units(prep, batch, first_chunk[b : b + size], counts[b : b + size], ar, out_chunks,
+                                capture))
     return ends
 
 
 def _split_forward(prep: dict, start: torch.Tensor, offsets: list, counts: list, L: int, ar: Arithmetic,
-                   out_chunks: torch.Tensor) -> torch.Tensor:
+                   out_chunks: torch.Tensor, capture: Optional[dict] = None) -> torch.Tensor:
     """The time split of ``chunked_forward``: scan, compose, finish; returns the final states [N, H, V, K].
 
     Segment indices are taken in blocks (as many as fit the memory budget across all sequences): the block's
     scanned segments run from the identity (transition rows, v = 0) and from zero (state rows) in one batch, the
-    chains are composed through the block in order, and the block's segments finish from their start states."""
+    chains are composed through the block in order, and the block's segments finish from their start states.
+    Checkpoints (``capture``) come from the finishing units, as in the kernels' finish pass: a segment's last chunk
+    gives that unit's end state, not the composed start of the next segment."""
     device = start.device
     num_seqs, heads = start.shape[0], start.shape[1]
     segments = [max(1, -(-c // L)) for c in counts]
@@ -451,7 +500,7 @@ def _split_forward(prep: dict, start: torch.Tensor, offsets: list, counts: list,
                     seg_start[s] = nxt
         units = [(s, j) for j in block for s in range(num_seqs) if j < segments[s]]
         ends = _run_batched(prep, [starts_in_block[u] for u in units], [offsets[s] + j * L for s, j in units],
-                            [max(0, min(L, counts[s] - j * L)) for s, j in units], ar, out_chunks)
+                            [max(0, min(L, counts[s] - j * L)) for s, j in units], ar, out_chunks, capture)
         for (s, j), end in zip(units, ends):
             if j == segments[s] - 1:
                 final[s] = end
@@ -459,17 +508,33 @@ def _split_forward(prep: dict, start: torch.Tensor, offsets: list, counts: list,
 
 
 def _forward_on(initial_state, final_state, state_indices, forward, tokens=None, num_accepted_tokens=None,
-                lengths=None):
+                lengths=None, checkpoint_slots=None):
     """``forward(initial [N, H, V, K] or None)`` on dense states, or on pools with ``state_indices``
     (``pools.run_pooled``: the final pool is ``final_state`` as it was, or ``initial_state``, with the named slots
-    replaced); with per-token ``state_indices`` [N, L], ``tokens(initial)`` gives the states after each of the first
-    L tokens (``pools.run_pooled_tokens``, sequence lengths ``lengths``)."""
+    replaced, and with ``checkpoint_slots`` the checkpoints ``forward`` records written first); with per-token
+    ``state_indices`` [N, L], ``tokens(initial)`` gives the states after each of the first L tokens
+    (``pools.run_pooled_tokens``, sequence lengths ``lengths``)."""
     if state_indices is None:
         return forward(initial_state)
     if state_indices.dim() == 2:
         return pools.run_pooled_tokens(lambda initial: (forward(initial)[0], tokens(initial)), initial_state,
                                        final_state, state_indices, num_accepted_tokens, lengths)
-    return pools.run_pooled(forward, initial_state, final_state, state_indices)
+    return pools.run_pooled(forward, initial_state, final_state, state_indices, checkpoint_slots)
+
+
+def _checkpoint_entries(v, cu_seqlens, state_indices, initial_state, final_state, checkpoint_indices,
+                        checkpoint_every) -> tuple:
+    """(entries, slots) of the checkpoints a call writes (``pools.checkpoint_entries``), or (None, None) without
+    ``checkpoint_indices``."""
+    if checkpoint_indices is None:
+        return None, None
+    if state_indices is None or state_indices.dim() != 1:
+        raise ValueError(f"checkpoint_indices needs state_indices [N] (the pool it writes into), got "
+                         f"{None if state_indices is None else tuple(state_indices.shape)}")
+    B, T = v.shape[:2]
+    pool = final_state if final_state is not None else initial_state
+    return pools.checkpoint_entries(checkpoint_indices, checkpoint_every, sequence_bounds(cu_seqlens, B, T)[2],
+                                    pool.shape[0])
 
 
 def _prepare_tokens(q, k, g, beta, scale, A_log, dt_bias, lower_bound, ar: Arithmetic, gate_kind: str = "lower_bound",
@@ -491,15 +556,18 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
     S[v,:] ⊙= α; r = v_t[v] − tree(S[v,:]·k̂); u = β·r; S[v,:] += u·k̂; o[v] = tree(S[v,:]·q̃); out = bf16(o), with
     ``tree_sum_128``'s order. ``ar``: the kernel's approximate exp2 / sigmoid (``decode_twin_forward``) or, by
     default, exact ones. All sequences advance in lockstep, one token per step."""
-    out, state, _ = _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, ar,
-                               gate_kind, beta_scale)
+    out, state, _, _ = _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                                  ar, gate_kind, beta_scale)
     return out, state
 
 
 def _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
-               ar: Optional[Arithmetic], gate_kind: str, beta_scale: float, token_states: int = 0):
-    """``recurrent_forward``'s loop: (out, final state, and with ``token_states`` = L > 0 the fp32 state after each of
-    the first L tokens [N, L, H, V, K] (past a sequence's end, its state as it stays), else None)."""
+               ar: Optional[Arithmetic], gate_kind: str, beta_scale: float, token_states: int = 0,
+               checkpoints: Optional[list] = None):
+    """``recurrent_forward``'s loop: (out, final state, with ``token_states`` = L > 0 the fp32 state after each of
+    the first L tokens [N, L, H, V, K] (past a sequence's end, its state as it stays), else None, and with
+    ``checkpoints`` [(n, t), ...] (0 < t <= sequence n's length) the fp32 state of sequence n after its token t − 1
+    for each [E, H, V, K], else None)."""
     ar = ar or fp32_arithmetic()
     B, T, H, _ = v.shape
     q, k = _key_heads_expanded(q, k, H)
@@ -513,10 +581,14 @@ def _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_sta
     out = torch.zeros(B * T, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
     tokens = (torch.zeros(N, token_states, *state.shape[1:], dtype=torch.float32, device=device) if token_states
               else None)
-    if N == 0 or B * T == 0:
+    recorded = None if checkpoints is None else [None] * len(checkpoints)
+    recorded_at = {}  # step -> [(checkpoint, sequence)]: the checkpoints taken after that token
+    for e, (n, t) in enumerate(checkpoints or ()):
+        recorded_at.setdefault(t - 1, []).append((e, n))
+    if N == 0 or B * T == 0:  # (no tokens: no checkpoint either)
         if tokens is not None:
             tokens[:] = state.unsqueeze(1)
-        return out.view(B, T, H, HEAD_DIM), state, tokens
+        return out.view(B, T, H, HEAD_DIM), state, tokens, _stacked(recorded, state)
 
     flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
     k_hat, q_t, alpha, beta_act = _prepare_tokens(flat(q), flat(k), flat(g), flat(beta), scale, A_log, dt_bias,
@@ -539,9 +611,19 @@ def _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_sta
         state[active] = s
         if step < token_states:
             tokens[:, step] = state
+        if recorded_at:
+            for e, n in recorded_at.get(step, ()):
+                recorded[e] = state[n].clone()
     if tokens is not None and int(lengths.max()) < token_states:
         tokens[:, int(lengths.max()):] = state.unsqueeze(1)
-    return out.view(B, T, H, HEAD_DIM), state, tokens
+    return out.view(B, T, H, HEAD_DIM), state, tokens, _stacked(recorded, state)
+
+
+def _stacked(recorded: Optional[list], state: torch.Tensor) -> Optional[torch.Tensor]:
+    """The recorded checkpoint states [E, H, V, K] (E may be 0), or None without checkpoints."""
+    if recorded is None:
+        return None
+    return torch.stack(recorded) if recorded else state.new_zeros(0, *state.shape[1:])
 
 
 def token_states_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
@@ -552,6 +634,14 @@ def token_states_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, i
     per-token states (docs/NUMERICS.md, "Per-token states"). Past a sequence's end its state stays as it is."""
     return _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, ar,
                       gate_kind, beta_scale, token_states)[2]
+
+
+def _recurrent_checkpoints(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                           ar: Arithmetic, gate_kind: str, beta_scale: float, checkpoints: list) -> tuple:
+    """(out, final state, checkpoint states [E, H, V, K]) of the decode kernel's recurrence (``_recurrent``)."""
+    out, state, _, recorded = _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state,
+                                         cu_seqlens, ar, gate_kind, beta_scale, checkpoints=checkpoints)
+    return out, state, recorded
 
 
 def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None,
@@ -577,7 +667,8 @@ def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, in
 
 def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
                  segment_chunks=None, decode=None, *, state_indices=None, final_state=None,
-                 gate_kind: str = "lower_bound", beta_scale: float = 1.0, num_accepted_tokens=None):
+                 gate_kind: str = "lower_bound", beta_scale: float = 1.0, num_accepted_tokens=None,
+                 checkpoint_indices=None, checkpoint_every: int = 0):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
     ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode kernel
@@ -588,7 +679,12 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
     ``initial_state``) with each named slot replaced; with per-token ``state_indices`` [N, L] (and
     ``num_accepted_tokens``), the pool with the state after each of the first L tokens in its slot, those states
     from the decode kernel's recurrence whatever the plan (``token_states_forward``). ``gate_kind``, ``beta_scale``,
-    grouped value heads and A_log / dt_bias None as in ``chunked_forward``."""
+    grouped value heads and A_log / dt_bias None as in ``chunked_forward``.
+
+    ``checkpoint_indices`` [N, M] with ``checkpoint_every`` = C (beside ``state_indices`` [N]): the pool also holds
+    the state of sequence n after its first (m+1)·C tokens in slot ``checkpoint_indices[n, m]`` for every m with
+    (m+1)·C <= its length (negative or >= P: none), as the plan's recurrence holds it there (the chunked stepping,
+    under the time split the finishing unit's; the decode kernel's recurrence), written before the final states."""
     if q.device.type != "cuda":
         raise RuntimeError(f"twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got {q.device=}")
     if segment_chunks is None or decode is None:
@@ -597,6 +693,18 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
         decode = run.decode if decode is None else decode
     per_token = _token_states(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, cu_seqlens, state_indices,
                               num_accepted_tokens, kernel_arithmetic(), gate_kind, beta_scale)
+    entries, slots = _checkpoint_entries(v, cu_seqlens, state_indices, initial_state, final_state,
+                                         checkpoint_indices, checkpoint_every)
+    if entries is not None:
+        if decode:
+            forward = lambda initial: _recurrent_checkpoints(  # noqa: E731
+                q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
+                gate_kind, beta_scale, entries)
+        else:
+            forward = lambda initial: _chunked(  # noqa: E731
+                q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
+                segment_chunks, gate_kind, beta_scale, entries)
+        return _forward_on(initial_state, final_state, state_indices, forward, checkpoint_slots=slots)
     if decode:
         return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_twin_forward(
             q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, gate_kind=gate_kind,
@@ -621,12 +729,16 @@ def _token_states(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, cu_seqle
 
 def cpu_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None, *,
                 state_indices=None, final_state=None, gate_kind: str = "lower_bound", beta_scale: float = 1.0,
-                num_accepted_tokens=None):
+                num_accepted_tokens=None, checkpoint_indices=None, checkpoint_every: int = 0):
     """The same chunked algorithm in fp32 on any device: (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]); with
-    ``state_indices`` (1-D or per token), pools as in ``twin_forward`` (per-token states by the recurrence in fp32)."""
+    ``state_indices`` (1-D or per token), pools as in ``twin_forward`` (per-token states by the recurrence in fp32),
+    and checkpoints as there (``checkpoint_indices``, ``checkpoint_every``: the chunked stepping's states, no time
+    split)."""
     per_token = _token_states(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, cu_seqlens, state_indices,
                               num_accepted_tokens, fp32_arithmetic(), gate_kind, beta_scale)
-    return _forward_on(initial_state, final_state, state_indices, lambda initial: chunked_forward(
+    entries, slots = _checkpoint_entries(v, cu_seqlens, state_indices, initial_state, final_state,
+                                         checkpoint_indices, checkpoint_every)
+    return _forward_on(initial_state, final_state, state_indices, lambda initial: _chunked(
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, fp32_arithmetic(), 0, gate_kind,
-        beta_scale,
-    ), **per_token)
+        beta_scale, entries,
+    ), checkpoint_slots=slots, **per_token)

@@ -8,9 +8,9 @@ produces nothing, so a bad call fails at trace time with the same message as in 
 operator runs ``fwd``'s eager body: the same validation, kernel or CPU path, workspace and stream.
 
 Direct calls of ``flash_kda.fwd`` do not go through the dispatcher (it costs host time per call); call
-``torch.ops.flash_kda.fwd`` yourself only where a tracer needs an operator, with all 18 arguments: ``fwd``'s
-positional ones, then ``workspace``, ``state_indices``, ``gate``, ``allow_neg_eigval`` and
-``num_accepted_tokens``.
+``torch.ops.flash_kda.fwd`` yourself only where a tracer needs an operator, with all 20 arguments: ``fwd``'s
+positional ones, then ``workspace``, ``state_indices``, ``gate``, ``allow_neg_eigval``, ``num_accepted_tokens``,
+``checkpoint_indices`` and ``checkpoint_every``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
            lower_bound: Optional[float], initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
            cu_seqlens: Optional[torch.Tensor], workspace: Optional[torch.Tensor],
            state_indices: Optional[torch.Tensor], gate: str, allow_neg_eigval: bool,
-           num_accepted_tokens: Optional[torch.Tensor]) -> None:
-    """The KDA forward of ``flash_kda.fwd``: the same arguments, all 18 given (pass None for absent ones,
-    ``"lower_bound"`` and ``False`` for the default gate and β).
+           num_accepted_tokens: Optional[torch.Tensor], checkpoint_indices: Optional[torch.Tensor],
+           checkpoint_every: int) -> None:
+    """The KDA forward of ``flash_kda.fwd``: the same arguments, all 20 given (pass None for absent ones,
+    ``"lower_bound"``, ``False`` and 0 for the default gate, β and checkpoints).
 
     No argument has a default: the dispatcher drops trailing arguments equal to their defaults, and the
     version bump of a dropped mutated argument (final_state, workspace) then fails inside PyTorch's custom-op
@@ -43,12 +44,14 @@ def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     trees' private pool, where only tracked tensors may live, and a recorded graph must not depend on a cached
     buffer that a later, larger call may replace. A temporary is freed in stream order like any intermediate."""
     launch.run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-               workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens, cached_workspace=False)
+               workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens, checkpoint_indices,
+               checkpoint_every, cached_workspace=False)
 
 
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-              workspace, state_indices, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None) -> None:
+              workspace, state_indices, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None,
+              checkpoint_indices=None, checkpoint_every=0) -> None:
     validation.validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                         cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
-                        concrete=False)
+                        checkpoint_indices, checkpoint_every, concrete=False)

@@ -10,6 +10,11 @@ Per-token states (speculative decoding, fla's and vLLM's contract): with ``state
 token t of sequence n goes to slot ``state_indices[n, t]`` for t < min(L, length), and sequence n starts from slot
 ``state_indices[n, a_n - 1]`` with a_n = ``num_accepted_tokens[n]`` (1 without it); an a_n outside [1, L] means no
 starting slot (zeros). No final state is written apart from these.
+
+Checkpoints (prefix caching): with ``checkpoint_indices`` [N, M] and ``checkpoint_every`` = C beside ``state_indices``
+[N], the state of sequence n after its first (m+1)·C tokens goes to slot ``checkpoint_indices[n, m]`` for every m
+with (m+1)·C <= its length; a negative entry, or one past the pool, writes nothing. Checkpoints are written before
+the final states, so a sequence's final state wins where it shares a slot with a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["named", "gather", "scatter", "copy_named_slots", "run_pooled", "start_slots", "run_pooled_tokens"]
+__all__ = ["named", "gather", "scatter", "copy_named_slots", "run_pooled", "start_slots", "run_pooled_tokens",
+           "checkpoint_entries"]
 
 
 def named(state_indices: torch.Tensor, pool_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,12 +68,17 @@ def copy_named_slots(final_pool: torch.Tensor, initial_pool: Optional[torch.Tens
     final_pool.copy_(torch.where(named_mask[:P].view(P, 1, 1, 1), source, final_pool))
 
 
-def run_pooled(forward: Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+def run_pooled(forward: Callable[[Optional[torch.Tensor]], tuple],
                initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
-               state_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               state_indices: torch.Tensor,
+               checkpoint_slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense forward ``forward(initial [N, H, V, K] or None) -> (out, final [N, H, V, K])`` run on pools:
     returns (out, final pool) where the final pool is ``final_state`` as it was before (``initial_state`` when
     None: in place), in the forward's state dtype, with the named slots replaced by their sequences' final states.
+
+    With ``checkpoint_slots`` [E] (``checkpoint_entries``) the forward returns (out, final, checkpoint states
+    [E, H, V, K]) and checkpoint e goes to slot ``checkpoint_slots[e]`` first, then the final states (a final state
+    wins on a shared slot).
 
     The references and the twin take ``state_indices`` through this, so that they describe exactly what
     ``flash_kda.fwd`` leaves in the pool: untouched slots included."""
@@ -75,8 +86,13 @@ def run_pooled(forward: Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, t
     if base is None:
         raise ValueError("state_indices needs initial_state or final_state (the pools it indexes), got neither")
     dense_initial = gather(initial_state, state_indices) if initial_state is not None else None
-    out, dense_final = forward(dense_initial)
+    if checkpoint_slots is None:
+        out, dense_final = forward(dense_initial)
+    else:
+        out, dense_final, checkpoints = forward(dense_initial)
     pool = base.to(device=dense_final.device, dtype=dense_final.dtype, copy=True)
+    if checkpoint_slots is not None:
+        pool[checkpoint_slots.to(pool.device)] = checkpoints.to(device=pool.device, dtype=pool.dtype)
     scatter(dense_final, state_indices, pool)
     return out, pool
 
@@ -120,3 +136,26 @@ def run_pooled_tokens(forward: Callable[[Optional[torch.Tensor]], tuple[torch.Te
     written = (step < length) & (indices >= 0) & (indices < pool.shape[0])
     pool[indices[written]] = token_states.to(pool.device)[written].to(pool.dtype)
     return out, pool
+
+
+def checkpoint_entries(checkpoint_indices: torch.Tensor, checkpoint_every: int, lengths,
+                       pool_slots: int) -> tuple[list, torch.Tensor]:
+    """(entries, slots): the checkpoints a call writes, in the row-major order of ``checkpoint_indices`` [N, M].
+    Entry (n, (m+1)·C), C = ``checkpoint_every``: the state of sequence n after its first (m+1)·C tokens, for every
+    m with (m+1)·C <= lengths[n] whose slot ``checkpoint_indices[n, m]`` is in a pool of ``pool_slots`` (0 <= slot
+    < P); ``slots`` (int64 [E], on the CPU) are those slots. Reads the indices (a CUDA tensor synchronises).
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | checkpoint_indices | int64 / int32 | [N, M] | slot of sequence n's checkpoint m; negative: none |
+    | checkpoint_every | int | — | C, tokens between checkpoints |
+    | lengths | int64 / list | [N] | the sequences' lengths |
+    | pool_slots | int | — | P, the pool's first dimension |
+    """
+    indices = checkpoint_indices.detach().to("cpu", torch.int64)
+    N, M = indices.shape
+    tokens = torch.arange(1, M + 1, dtype=torch.int64) * checkpoint_every  # [M]: (m+1)·C
+    length = torch.as_tensor(lengths, dtype=torch.int64).to("cpu").view(N, 1)
+    written = (tokens.view(1, M) <= length) & (indices >= 0) & (indices < pool_slots)
+    sequences, columns = torch.nonzero(written, as_tuple=True)
+    return list(zip(sequences.tolist(), tokens[columns].tolist())), indices[written]

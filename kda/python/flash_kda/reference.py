@@ -9,7 +9,9 @@ Both are vectorised over heads and sequences: sequences are laid side by side an
 with "inert" tokens (k̂ = q̂ = v = 0, β = 0, decay 1), which leave the state unchanged and whose outputs are
 dropped. Both return ``(out, final_state)`` in float64: out [B, T, HV, V], final_state [N, HV, V, K]. With
 ``state_indices`` both take pools (``flash_kda.pools``): the initial states of the sequences' slots, and the final
-pool that ``flash_kda.fwd`` leaves (the slots no sequence names unchanged).
+pool that ``flash_kda.fwd`` leaves (the slots no sequence names unchanged); with ``checkpoint_indices`` and
+``checkpoint_every`` = C too, that pool holds the exact state after every sequence's first (m+1)·C tokens in slot
+``checkpoint_indices[n, m]`` (written before the final states).
 
 Both take ``flash_kda.fwd``'s options: the gate's activation (``gate_kind``, see ``gate``; A_log None means
 exp(A_log) = 1, dt_bias None means 0), β's scale (``beta_scale``: 2 is fwd's ``allow_neg_eigval``) and grouped
@@ -156,8 +158,9 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    initial_state: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, *, state_indices: torch.Tensor | None = None,
                    final_state: torch.Tensor | None = None, gate_kind: str = "lower_bound",
-                   beta_scale: float = 1.0,
-                   num_accepted_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   beta_scale: float = 1.0, num_accepted_tokens: torch.Tensor | None = None,
+                   checkpoint_indices: torch.Tensor | None = None,
+                   checkpoint_every: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The KDA recurrence of docs/SPEC.md §1 in float64, one token at a time (all sequences and heads at once).
 
     For each token: S ← S·Diag(α_t); r = v_t − S k̂_t; S ← S + β_t r k̂_tᵀ; o_t = S (scale·q̂_t), with
@@ -180,37 +183,69 @@ def reference_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     | final_state | None / any float | [P, HV, V, K] | with state_indices: the pool before the call (None: initial_state) |
     | gate_kind | str | — | "lower_bound" or "softplus" (``gate``) |
     | beta_scale | float | — | β's factor: 1, or 2 for ``flash_kda.fwd``'s ``allow_neg_eigval`` |
+    | checkpoint_indices | int | [N, M] | with state_indices [N]: the slot of the state after sequence n's first (m+1)·C tokens (negative or >= P: none) |
+    | checkpoint_every | int | — | C, tokens between checkpoints, with checkpoint_indices |
 
     Returns (out float64 [B, T, HV, V], final_state float64 [N, HV, V, K]) on the inputs' device; with
     ``state_indices``, the final pool float64 [P, HV, V, K] ``flash_kda.fwd`` leaves.
     """
+    problem = lambda initial: _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial,  # noqa: E731
+                                       cu_seqlens, gate_kind, beta_scale)
+    if checkpoint_indices is not None:
+        entries, slots = _checkpoint_entries(problem(None).lengths, state_indices, initial_state, final_state,
+                                             checkpoint_indices, checkpoint_every)
+        return pools.run_pooled(lambda initial: _recorded(_loop(problem(initial), checkpoints=entries)),
+                                initial_state, final_state, state_indices, slots)
     if state_indices is not None and state_indices.dim() == 2:  # per-token states
-        lengths = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, None, cu_seqlens, gate_kind,
-                           beta_scale).lengths
         return pools.run_pooled_tokens(
-            lambda initial: _loop(_problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens,
-                                           gate_kind, beta_scale), token_states=state_indices.shape[1])[::2],
-            initial_state, final_state, state_indices, num_accepted_tokens, lengths)
+            lambda initial: _loop(problem(initial), token_states=state_indices.shape[1])[::2],
+            initial_state, final_state, state_indices, num_accepted_tokens, problem(None).lengths)
     if state_indices is not None:
         return pools.run_pooled(
             lambda initial: reference_loop(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens,
                                            gate_kind=gate_kind, beta_scale=beta_scale),
             initial_state, final_state, state_indices)
-    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, gate_kind,
-                 beta_scale)
-    out, S, _ = _loop(p)
+    out, S, _, _ = _loop(problem(initial_state))
     return out, S
 
 
-def _loop(p: _Problem, token_states: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """reference_loop's token loop: (out [B, T, H, V], S after each sequence's last token [N, H, V, K], and with
+def _checkpoint_entries(lengths: list, state_indices, initial_state, final_state, checkpoint_indices,
+                        checkpoint_every: int) -> tuple[list, torch.Tensor]:
+    """(entries, slots) of the checkpoints a call writes (``pools.checkpoint_entries``); they need pools."""
+    if state_indices is None or state_indices.dim() != 1:
+        raise ValueError(f"checkpoint_indices needs state_indices [N] (the pool it writes into), got "
+                         f"{None if state_indices is None else tuple(state_indices.shape)}")
+    pool = final_state if final_state is not None else initial_state
+    if pool is None:
+        raise ValueError("state_indices needs initial_state or final_state (the pools it indexes), got neither")
+    return pools.checkpoint_entries(checkpoint_indices, checkpoint_every, lengths, pool.shape[0])
+
+
+def _recorded(result: tuple) -> tuple:
+    """(out, final state, checkpoint states) of ``_loop`` / ``_chunked``'s four results."""
+    out, S, _, recorded = result
+    return out, S, recorded
+
+
+def _stacked(recorded: list, S: torch.Tensor) -> torch.Tensor:
+    """The checkpoint states recorded [E, H, V, K] (E may be 0)."""
+    return torch.stack(recorded) if recorded else S.new_zeros(0, *S.shape[1:])
+
+
+def _loop(p: _Problem, token_states: int = 0, checkpoints: list | None = None) -> tuple:
+    """reference_loop's token loop: (out [B, T, H, V], S after each sequence's last token [N, H, V, K], with
     ``token_states`` = L > 0 the state after each of the first L tokens [N, L, H, V, K] (a sequence's state stays
-    as it is past its last token), else None), float64."""
+    as it is past its last token), else None, and with ``checkpoints`` [(n, t), ...] (0 < t <= length of n) the
+    state of sequence n after its first t tokens for each [E, H, V, K], else None), float64."""
     B, T, H, K, V = p.shape
     out = torch.zeros(B * T, H, V, dtype=_F64, device=p.device)
     S = p.state
     tokens = (torch.zeros(S.shape[0], token_states, *S.shape[1:], dtype=_F64, device=p.device) if token_states
               else None)
+    recorded = None if checkpoints is None else [None] * len(checkpoints)
+    recorded_at = {}  # token position -> [(checkpoint, sequence)]: the checkpoints taken after that token
+    for e, (n, t) in enumerate(checkpoints or ()):
+        recorded_at.setdefault(t - 1, []).append((e, n))
     L = max(p.lengths, default=0)
     block = max(1, _BLOCK_TOKEN_HEADS // max(1, len(p.lengths) * H))
     for t0 in range(0, L, block):
@@ -225,10 +260,12 @@ def _loop(p: _Problem, token_states: int = 0) -> tuple[torch.Tensor, torch.Tenso
             o[:, :, t] = (S @ (p.scale * x["q"][:, :, t]).unsqueeze(-1)).squeeze(-1)
             if t0 + t < token_states:
                 tokens[:, t0 + t] = S
+            for e, n in recorded_at.get(t0 + t, ()):
+                recorded[e] = S[n].clone()
         p.scatter(out, t0, t1, o)
     if tokens is not None and L < token_states:  # (tokens past every sequence's end: the state as it stays)
         tokens[:, L:] = S.unsqueeze(1)
-    return out.reshape(B, T, H, V), S, tokens
+    return out.reshape(B, T, H, V), S, tokens, None if recorded is None else _stacked(recorded, S)
 
 
 _SAFE_DECAY = 600.0  # a chunk's decay e^Γ down to e^-600 keeps e^{±G} normal in float64 (limit e^±708)
@@ -265,7 +302,9 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       lower_bound: float | None, initial_state: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None, *, chunk: int = 64, base2: bool = False,
                       state_indices: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
-                      gate_kind: str = "lower_bound", beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      gate_kind: str = "lower_bound", beta_scale: float = 1.0,
+                      checkpoint_indices: torch.Tensor | None = None,
+                      checkpoint_every: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The same function as ``reference_loop``, by the chunked algebra of docs/SPEC.md §2 in float64.
 
     Per chunk of C tokens with G = cumsum of the gates inside the chunk and Γ its last row:
@@ -274,8 +313,11 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     Everything but the S recurrence is computed for a block of chunks at once; only the chunk loop is sequential.
     Where a chunk decays past e^-600 (the softplus gate is unbounded below), e^-G would overflow: that block forms
     Kr = k̂⊙e^(Γ−G) and A, M from pairwise coefficients e^(G_i − G_j) <= 1 instead (``_anchored_products``).
+    A checkpoint inside a chunk, after its row i, is S⊙e^(G_i) + U[:i+1]ᵀ (k̂[:i+1]⊙e^(G_i − G[:i+1])): the chunk's
+    update cut at row i (U's rows depend only on the rows before them).
 
-    Arguments as ``reference_loop`` (``state_indices``, ``final_state``, ``gate_kind``, ``beta_scale`` too), plus:
+    Arguments as ``reference_loop`` (``state_indices``, ``final_state``, ``gate_kind``, ``beta_scale``,
+    ``checkpoint_indices``, ``checkpoint_every`` too), plus:
 
     | arg | type | meaning |
     |---|---|---|
@@ -286,14 +328,23 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """
     if not 1 <= chunk <= 128:
         raise ValueError(f"chunk must be in [1, 128] (e^{{±G}} must not overflow float64), got {chunk=}")
+    problem = lambda initial: _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial,  # noqa: E731
+                                       cu_seqlens, gate_kind, beta_scale)
+    if checkpoint_indices is not None:
+        entries, slots = _checkpoint_entries(problem(None).lengths, state_indices, initial_state, final_state,
+                                             checkpoint_indices, checkpoint_every)
+        return pools.run_pooled(lambda initial: _recorded(_chunked(problem(initial), chunk, base2, entries)),
+                                initial_state, final_state, state_indices, slots)
     if state_indices is not None:
-        return pools.run_pooled(
-            lambda initial: reference_chunked(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial,
-                                              cu_seqlens, chunk=chunk, base2=base2, gate_kind=gate_kind,
-                                              beta_scale=beta_scale),
-            initial_state, final_state, state_indices)
-    p = _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, gate_kind,
-                 beta_scale)
+        return pools.run_pooled(lambda initial: _chunked(problem(initial), chunk, base2)[:2], initial_state,
+                                final_state, state_indices)
+    return _chunked(problem(initial_state), chunk, base2)[:2]
+
+
+def _chunked(p: _Problem, chunk: int, base2: bool, checkpoints: list | None = None) -> tuple:
+    """reference_chunked's chunk loop: (out [B, T, H, V], S after each sequence's last token [N, H, V, K], None,
+    and with ``checkpoints`` [(n, t), ...] (0 < t <= length of n) the state of sequence n after its first t tokens
+    for each [E, H, V, K], else None), float64 (the results of ``_loop``, without per-token states)."""
     B, T, H, K, V = p.shape
     N = len(p.lengths)
     C = chunk
@@ -302,6 +353,10 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     S = p.state
     L = -(-max(p.lengths, default=0) // C) * C
     block = max(1, _BLOCK_TOKEN_HEADS // max(1, N * H * C)) * C
+    recorded = None if checkpoints is None else [None] * len(checkpoints)
+    recorded_in = {}  # chunk -> [(checkpoint, sequence, row)]: the checkpoints taken after that row of that chunk
+    for e, (n, t) in enumerate(checkpoints or ()):
+        recorded_in.setdefault((t - 1) // C, []).append((e, n, (t - 1) % C))
     eye = torch.eye(C, dtype=_F64, device=p.device)
     lower = torch.ones(C, C, dtype=torch.bool, device=p.device).tril()
     strict = lower.clone().fill_diagonal_(False)
@@ -332,6 +387,14 @@ def reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
             St = S.transpose(-1, -2)  # [N, H, K, V]
             U = INV[:, :, j] @ (beta_[:, :, j] * (x["v"][:, :, j] - Kd[:, :, j] @ St))
             O[:, :, j] = Qd[:, :, j] @ St + M[:, :, j] @ U
+            S_before = S
             S = S * decay[:, :, j] + U.transpose(-1, -2) @ Kr[:, :, j]
+            for e, n, i in recorded_in.get(t0 // C + j, ()):
+                if i == C - 1:  # the chunk's end: the state itself
+                    recorded[e] = S[n].clone()
+                else:
+                    G_i = G[n, :, j, i]  # [H, K]
+                    cut = x["k"][n, :, j, : i + 1] * exp(G_i.unsqueeze(-2) - G[n, :, j, : i + 1])  # [H, i+1, K]
+                    recorded[e] = S_before[n] * exp(G_i).unsqueeze(-2) + U[n, :, : i + 1].transpose(-1, -2) @ cut
         p.scatter(out, t0, t1, O.flatten(2, 3))
-    return out.reshape(B, T, H, V), S
+    return out.reshape(B, T, H, V), S, None, None if recorded is None else _stacked(recorded, S)

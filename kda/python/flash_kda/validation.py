@@ -1,6 +1,6 @@
 """Argument checks of ``flash_kda.fwd``: the ordered checks that name the first problem, the tight pass that
 accepts a well-formed call in a third of their host time, and the host checks of the contents of ``cu_seqlens``,
-``state_indices`` and ``num_accepted_tokens``.
+``state_indices``, ``num_accepted_tokens`` and ``checkpoint_indices``.
 
 Checks run in the order arch -> dtype -> device -> layout -> shape -> values; every message names the argument
 and shows the offending value.
@@ -15,7 +15,7 @@ import os
 import torch
 
 __all__ = ["validate", "well_formed", "check_cu_seqlens", "check_state_indices", "check_num_accepted_tokens",
-           "sequence_lengths", "check_arch", "device_capability",
+           "check_checkpoint_indices", "sequence_lengths", "check_arch", "device_capability",
            "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM", "LOWER_BOUND_RANGE",
            "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
 
@@ -31,6 +31,7 @@ CU_SEQLENS_DTYPES = (torch.int64, torch.int32)
 STATE_INDEX_DTYPES = (torch.int64, torch.int32)
 # May be on the CPU beside CUDA tensors (validated there, then copied into the workspace).
 HOST_INDEX_ARGS = ("cu_seqlens", "state_indices", "num_accepted_tokens")
+CHECKPOINT_GRANULE = 16  # tokens per chunk: checkpoints fall on chunk boundaries (checkpoint_every a multiple)
 ALIGNMENT = 16  # bytes: q, k, v, g, out, dt_bias and the states are read/written with 16-byte accesses
 MAX_HEADS = 65535  # the kernels launch heads along a grid's y dimension, whose limit this is
 FP32_OVERFLOW = 3.4028235677973366e38  # a float of this magnitude or more rounds to ±inf in float32
@@ -42,20 +43,22 @@ CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
 
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
-             workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None, *,
-             concrete: bool) -> tuple[int, int, int, int, int]:
+             workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None,
+             checkpoint_indices=None, checkpoint_every=0, *, concrete: bool) -> tuple[int, int, int, int, int]:
     """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns
     (B, T, HV, N, H): batch, tokens, value heads (the heads of v, out, the states and the kernels' grid),
     sequences, and the key heads of q and k (HV = G·H, value head hv reads key head hv // G).
 
     ``concrete=False`` (fake tensors while tracing for torch.compile) skips what needs real storage or a real
     device: the compute capability, the alignment of data pointers and the contents of ``cu_seqlens``. The
-    contents of ``state_indices`` and ``num_accepted_tokens`` are checked by ``check_state_indices`` and
-    ``check_num_accepted_tokens`` where they are on the host.
+    contents of ``state_indices``, ``num_accepted_tokens`` and ``checkpoint_indices`` are checked by
+    ``check_state_indices``, ``check_num_accepted_tokens`` and ``check_checkpoint_indices`` where they are on the
+    host.
     """
     if concrete:
         dims = well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens)
+                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
+                           checkpoint_indices, checkpoint_every)
         if dims is not None:
             return dims
     # Something is off (or unusual, e.g. an int scale): the checks below, in order, name the first problem.
@@ -63,6 +66,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log, "dt_bias": dt_bias,
         "initial_state": initial_state, "final_state": final_state, "cu_seqlens": cu_seqlens,
         "state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens,
+        "checkpoint_indices": checkpoint_indices,
     }  # fmt: skip
     given = {name: t for name, t in tensors.items() if t is not None}
     for name, t in given.items():
@@ -94,16 +98,22 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         raise TypeError(f"state_indices must be int64 or int32, got {state_indices.dtype=}")
     if num_accepted_tokens is not None and num_accepted_tokens.dtype not in STATE_INDEX_DTYPES:
         raise TypeError(f"num_accepted_tokens must be int64 or int32, got {num_accepted_tokens.dtype=}")
+    if checkpoint_indices is not None and checkpoint_indices.dtype not in STATE_INDEX_DTYPES:
+        raise TypeError(f"checkpoint_indices must be int64 or int32, got {checkpoint_indices.dtype=}")
 
     # --- device: one device for everything, except that cu_seqlens, state_indices and num_accepted_tokens may also
     # be on the CPU with CUDA tensors (then they are validated on the host, where that costs no synchronisation, and
-    # copied to the device).
+    # copied to the device). Not checkpoint_indices: the kernels read it where it is, at every launch.
     if not on_cuda and device.type != "cpu":
         raise ValueError(f"tensors must be on a CUDA or CPU device, got {q.device=}")
     for name, t in given.items():
         if name in HOST_INDEX_ARGS and cu_seqlens_on_host(q, t):
             continue
         if t.device != device:
+            if name == "checkpoint_indices" and cu_seqlens_on_host(q, t):
+                raise ValueError(f"checkpoint_indices must be on q's device (the kernels read it at every launch; "
+                                 f"it is not copied from the host), got checkpoint_indices.device={t.device} with "
+                                 f"q.device={device}")
             raise ValueError(f"all tensors must be on one device, got q.device={device} but {name}.device={t.device}")
     if workspace is not None:
         if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8:
@@ -122,7 +132,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         # a view that starts mid-row may not.
         aligned = {**given, "workspace": workspace} if workspace is not None else given
         for name, t in aligned.items():
-            if t.data_ptr() % ALIGNMENT and name not in ("beta", "A_log", *HOST_INDEX_ARGS):
+            if t.data_ptr() % ALIGNMENT and name not in ("beta", "A_log", "checkpoint_indices", *HOST_INDEX_ARGS):
                 raise ValueError(
                     f"{name} must start at a {ALIGNMENT}-byte aligned address on CUDA, got "
                     f"{name}.data_ptr() % {ALIGNMENT} = {t.data_ptr() % ALIGNMENT} (a view with a storage offset?)"
@@ -202,6 +212,18 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         if tuple(num_accepted_tokens.shape) != (N,):
             raise ValueError(f"num_accepted_tokens must be 1-D [N] = [{N}] (one count per sequence), got "
                              f"{num_accepted_tokens.shape=}")
+    if checkpoint_indices is not None:
+        if state_indices is None or state_indices.dim() != 1:
+            got = "state_indices=None" if state_indices is None else f"{state_indices.shape=}"
+            raise ValueError(f"checkpoint_indices needs state_indices [N] (one slot per sequence; checkpoints are "
+                             f"written into the pool it indexes), got {got} with {checkpoint_indices.shape=}")
+        if final_state is None:
+            raise ValueError(f"checkpoint_indices writes each checkpoint into the pool final_state, got "
+                             f"final_state=None with {checkpoint_indices.shape=} (pass final_state=initial_state "
+                             "to write the pool in place)")
+        if checkpoint_indices.dim() != 2 or checkpoint_indices.shape[0] != N:
+            raise ValueError(f"checkpoint_indices must be 2-D [N, M] = [{N}, M] (a slot for each of a sequence's "
+                             f"M checkpoints, M >= 0), got {checkpoint_indices.shape=}")
     if on_cuda and HV > MAX_HEADS:
         raise ValueError(f"v has H = {HV} heads but the CUDA kernel takes at most {MAX_HEADS} (value heads are a "
                          f"launch grid's y dimension), got {v.shape=}")
@@ -244,13 +266,25 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     ):
         raise ValueError(f"lower_bound must be None or a finite real number with gate='softplus' (which does not "
                          f"use it), got {lower_bound=}")
+    # (a SymInt: torch.compile traces an int that changed between calls as a symbol)
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, torch.SymInt)):
+        raise TypeError(f"checkpoint_every must be an int (tokens between checkpoints), got {checkpoint_every=} of "
+                        f"{type(checkpoint_every)=}")
+    if checkpoint_indices is None:
+        if checkpoint_every != 0:
+            raise ValueError(f"checkpoint_every needs checkpoint_indices (the slots the checkpoints go to), got "
+                             f"{checkpoint_every=} with checkpoint_indices=None")
+    elif checkpoint_every < CHECKPOINT_GRANULE or checkpoint_every % CHECKPOINT_GRANULE:
+        raise ValueError(f"checkpoint_every must be a positive multiple of {CHECKPOINT_GRANULE} (checkpoints fall on "
+                         f"chunk boundaries), got {checkpoint_every=} with checkpoint_indices given")
 
     return B, T, HV, N, H
 
 
 def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
                 workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False,
-                num_accepted_tokens=None) -> tuple[int, int, int, int, int] | None:
+                num_accepted_tokens=None, checkpoint_indices=None,
+                checkpoint_every=0) -> tuple[int, int, int, int, int] | None:
     """(B, T, HV, N, H) when every check of ``validate`` passes for a call of the usual kind, else None.
 
     Host time per call: the same conditions as ``validate`` in one tight pass (about a third of its cost), with
@@ -334,7 +368,18 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
         if not isinstance(pool, Tensor) or pool.dim() != 4 or pool.shape[0] < 1:
             return None
         P = pool.shape[0]
-    elif num_accepted_tokens is not None:
+        if checkpoint_indices is not None:
+            if (not isinstance(checkpoint_indices, Tensor) or len(index_shape) != 1 or final_state is None
+                    or checkpoint_indices.dtype not in STATE_INDEX_DTYPES or checkpoint_indices.dim() != 2
+                    or checkpoint_indices.shape[0] != N or checkpoint_indices.device != device
+                    or not checkpoint_indices.is_contiguous()):
+                return None
+            if (type(checkpoint_every) is not int or checkpoint_every < CHECKPOINT_GRANULE
+                    or checkpoint_every % CHECKPOINT_GRANULE):
+                return None
+    elif num_accepted_tokens is not None or checkpoint_indices is not None:
+        return None
+    if checkpoint_indices is None and (type(checkpoint_every) is not int or checkpoint_every):
         return None
     for t in (initial_state, final_state):
         if t is not None:
@@ -371,6 +416,8 @@ def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
         spans.append((state_indices.data_ptr(), state_indices.nbytes))
     if num_accepted_tokens is not None and num_accepted_tokens.device == device:
         spans.append((num_accepted_tokens.data_ptr(), num_accepted_tokens.nbytes))
+    if checkpoint_indices is not None:
+        spans.append((checkpoint_indices.data_ptr(), checkpoint_indices.nbytes))
     if _spans_overlap(spans):
         return None  # (validate's first_overlap tells the allowed from the refused)
     if allow_neg_eigval is not False and allow_neg_eigval is not True:
@@ -546,6 +593,28 @@ def check_num_accepted_tokens(num_accepted_tokens: torch.Tensor, state_tokens: i
             f"num_accepted_tokens[{n}] = {int(accepted[n])} is outside [1, L] = [1, {state_tokens}] (L: "
             f"state_indices.shape[1]; sequence n starts from slot state_indices[n, num_accepted_tokens[n] - 1])"
         )
+
+
+def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int) -> None:
+    """Validates the contents of ``checkpoint_indices`` on the host (a CUDA tensor synchronises).
+
+    ``fwd`` does this for free where they are on the CPU (the CPU path); on the device the kernels skip an entry
+    past the pool (memory stays safe) and ``flash_kda.last_error`` reports it.
+
+    | arg | dtype | shape | meaning |
+    |---|---|---|---|
+    | checkpoint_indices | int64 / int32 | [N, M] | slot of sequence n's state after its first (m+1)·C tokens; negative: none |
+    | pool_slots | int | — | P, the pools' first dimension |
+
+    Raises ValueError naming the first entry past the pool (>= P) as ``checkpoint_indices[n, m]``.
+    """
+    indices = checkpoint_indices.detach().to("cpu", torch.int64)
+    past = torch.nonzero(indices.flatten() >= pool_slots)
+    if past.numel():
+        n, m = divmod(int(past[0]), indices.shape[1])
+        raise ValueError(f"checkpoint_indices[{n}, {m}] = {int(indices[n, m])} is past the pool's last slot "
+                         f"(P = {pool_slots}: the final_state pool's first dimension); negative entries mean no "
+                         "checkpoint")
 
 
 def sequence_lengths(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int) -> torch.Tensor:

@@ -1,0 +1,31 @@
+// Prefix-cache checkpoints from the chunked recurrence: after each chunk, the state of a sequence that has just
+// completed a multiple of C tokens goes to its checkpoint slot (state_slots.cuh, checkpoint_slot; kda_params.h).
+// The finishing pass (every plan with a finishing pass: two stages, the time split's segments, the overlap) and the
+// single pass hand it to run_chunks as the step's chunk_end; the decode kernel writes its own (decode.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "kda/csrc/kda_params.h"
+#include "kda/csrc/recurrence_state_rows.cuh"
+#include "kda/csrc/state_slots.cuh"
+
+namespace kda {
+
+template <typename FinalT>
+struct CheckpointWriter {
+  const FwdParams& p;
+  int64_t n;    // the sequence
+  int h;        // the head
+  int64_t len;  // the sequence's tokens: a checkpoint lies within them (a partial last chunk ends none)
+  int v_base, gi, ti;
+
+  // `chunks` chunks of the sequence are done and `s` is the state after them. Warp-uniform (store_rows shuffles).
+  __device__ __forceinline__ void operator()(int64_t chunks, const StateRows& s) const {
+    if (p.checkpoint_chunks <= 0 || p.final_state == nullptr || chunks * kChunk > len) return;
+    const int64_t slot = checkpoint_slot(p, n, chunks);
+    if (slot >= 0) store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
+  }
+};
+
+}  // namespace kda
