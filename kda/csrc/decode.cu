@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
   const int warp_row0 = warp * kDecodeRowsPerWarp;  // this warp's first row within the item's 64
   const int64_t items = p.num_seqs * p.heads * kDecodeParts;
 
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kDecodeThreads + threadIdx.x; i <= p.num_seqs;
+  const int64_t last_check = last_check_item<kCheckpoints>(p);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kDecodeThreads + threadIdx.x; i <= last_check;
        i += static_cast<int64_t>(gridDim.x) * kDecodeThreads) {
     check_call_inputs<kCheckpoints>(p, i);
   }

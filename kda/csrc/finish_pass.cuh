@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kFinishThreads<kWarps, kWgmma>, 1) kda_recurre
   }
 
   if constexpr (kCheckpoints) {
-    const CheckpointWriter<FinalT> checkpoints{p, n, h, len, v_base, gi, ti};
+    const CheckpointWriter<FinalT> checkpoints{p, n, h, len, c0, v_base, gi, ti};
     run_chunks<kWarps, true, true, kWgmma, kHiLo, kStages, false, CheckpointWriter<FinalT>>(
         p, smem, full, n, h, bounds, c0, count, v_base, s, checkpoints);
   } else {

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kSinglePassWarps * 32, 1) kda_single_pass_kern
       static_cast<const __nv_bfloat16*>(p.v) + bounds.bos * token_stride + h * kHeadDim + v_base;
   const int fill_dst = Ring::value_fill_offset(lane, v_base);
 
-  [[maybe_unused]] const CheckpointWriter<FinalT> checkpoints{p, n, h, len, v_base, gi, ti};
+  [[maybe_unused]] const CheckpointWriter<FinalT> checkpoints{p, n, h, len, 0, v_base, gi, ti};
   for (int64_t c0 = 0; c0 < num_chunks; c0 += kSinglePassStages) {
     const int count = static_cast<int>(min(num_chunks - c0, static_cast<int64_t>(kSinglePassStages)));
 #pragma unroll
