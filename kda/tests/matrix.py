@@ -1032,3 +1032,21 @@ def same_bits(a, b) -> bool:
         return False
     ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
     return torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype])) if a.dtype in ints else torch.equal(a, b)
+
+
+def capture(call, setup=None):
+    """A CUDA graph of `call()`: on a side stream, `setup()` (what must run on that stream, such as reserving its
+    workspace), a warm-up call, then the capture; the current stream then waits for the side stream."""
+    import torch  # noqa: PLC0415
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        if setup is not None:
+            setup()
+        call()  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph

@@ -238,14 +238,7 @@ def test_graph_replay_reads_new_checkpoint_indices(in_place) -> None:
     final0 = x["final_state"].clone()
     workspace = torch.empty(flash_kda.workspace_bytes(x["q"], None, x["state_indices"]), dtype=torch.uint8,
                             device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flash_kda.fwd(**_fwd_args(x), workspace=workspace)  # warm-up on the capture stream
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            flash_kda.fwd(**_fwd_args(x), workspace=workspace)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = matrix.capture(lambda: flash_kda.fwd(**_fwd_args(x), workspace=workspace))
     free = x["checkpoint_indices"].flip(0).flatten()
     for variant in ("reversed", "some_negative", "none"):
         indices = free.clone()

@@ -349,15 +349,9 @@ def test_cuda_graph_capture() -> None:
     eager = _fresh_outputs(x)
     flash_kda.fwd(**_fwd_args(eager))
     captured = _fresh_outputs(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flash_kda.reserve_workspace(flash_kda.workspace_bytes(x["q"], x["cu_seqlens"]), x["q"].device)
-        flash_kda.fwd(**_fwd_args(captured))  # warm-up on the capture stream
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            flash_kda.fwd(**_fwd_args(captured))
-    torch.cuda.current_stream().wait_stream(side)
+    graph = matrix.capture(
+        lambda: flash_kda.fwd(**_fwd_args(captured)),
+        setup=lambda: flash_kda.reserve_workspace(flash_kda.workspace_bytes(x["q"], x["cu_seqlens"]), x["q"].device))
     captured["out"].fill_(float("nan"))
     captured["final_state"].fill_(float("nan"))
     graph.replay()
@@ -470,14 +464,7 @@ def test_pool_graph_replay_reads_new_indices(in_place) -> None:
     final0 = x["final_state"].clone()
     workspace = torch.empty(flash_kda.workspace_bytes(x["q"], None, x["state_indices"]), dtype=torch.uint8,
                             device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flash_kda.fwd(**_fwd_args(x), workspace=workspace)  # warm-up on the capture stream
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            flash_kda.fwd(**_fwd_args(x), workspace=workspace)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = matrix.capture(lambda: flash_kda.fwd(**_fwd_args(x), workspace=workspace))
     for indices in ([5, -1, 0, 2], [-1, -1, 3, -2], [1, 2, 3, 4]):
         eager = {**x, "initial_state": pool0.clone(), "out": torch.full_like(x["out"], float("nan")),
                  "state_indices": torch.tensor(indices, device="cuda")}
