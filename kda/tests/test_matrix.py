@@ -408,15 +408,18 @@ _POOL_PLANS = {
 }
 
 
+# (plan, varlen) pairs: the overlap (lead_chunks >= 0) runs fixed-length batches only
+_POOL_PLAN_SHAPES = [(plan, varlen) for plan in sorted(_POOL_PLANS) for varlen in (False, True)
+                     if not (varlen and _POOL_PLANS[plan].get("lead_chunks", -1) >= 0)]
+
+
 @pytest.mark.kda_slice("pool")
-@pytest.mark.parametrize("plan", sorted(_POOL_PLANS))
-@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize(("plan", "varlen"), _POOL_PLAN_SHAPES,
+                         ids=[f"{plan}-{'varlen' if varlen else 'fixed'}" for plan, varlen in _POOL_PLAN_SHAPES])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_pool_index_past_the_pool_is_memory_safe(plan, varlen, index_dtype) -> None:
     """A CUDA state index >= P is never used: that sequence runs from zeros and writes nothing (no memory outside
     the pool is touched), the others get the bits of a call where it is a padding row, and last_error names it."""
-    if varlen and "lead_chunks" in _POOL_PLANS[plan]:
-        pytest.skip("the overlap runs fixed-length batches only")
     shape = dict(seqlens=(40, 0, 97)) if varlen else dict(B=3, T=97)
     case = matrix.Case("pool", H=4, **shape, state_dtype="fp32", pool=4)
     x = matrix.make_inputs(case, "cuda")
@@ -481,12 +484,9 @@ def test_pool_graph_replay_reads_new_indices(in_place) -> None:
 
 
 @pytest.mark.kda_slice("pool")
-@pytest.mark.parametrize("T", [0, 20])
-@pytest.mark.parametrize("H", [0, 2])
+@pytest.mark.parametrize(("T", "H"), [(0, 0), (0, 2), (20, 0)], ids=["T0-H0", "T0-H2", "T20-H0"])
 def test_pool_call_without_tokens_copies_named_slots(T, H) -> None:
     """B·T = 0 or H = 0 launches nothing; each named slot of final_state gets its initial state, others stay."""
-    if T and H:
-        pytest.skip("a call with tokens")
     case = matrix.Case("pool", H=max(H, 1), B=3, T=T, state_dtype="fp32", pool=5)
     x = matrix.make_inputs(case, "cuda")
     if H == 0:
