@@ -9,7 +9,10 @@ their computation is checked in test_cpu_path and test_reference.
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -897,6 +900,51 @@ def test_reserve_workspace_refuses_cpu_and_negative():
         flash_kda.reserve_workspace(-1, "cpu")
     with pytest.raises(ValueError, match=r"reserve_workspace needs a CUDA device, got device=device\(type='cpu'\)"):
         flash_kda.reserve_workspace(16, "cpu")
+
+
+def test_last_error_before_any_cuda_call_is_none_without_cuda():
+    """A query before any CUDA call (the CPU path's users, machines without CUDA) has nothing to report: None, and
+    CUDA stays uninitialised. In a fresh process, since this one may have made CUDA calls."""
+    code = ("import torch, flash_kda; "
+            "q = torch.zeros(1, 20, 1, 128, dtype=torch.bfloat16); "
+            "b = torch.zeros(1, 20, 1, dtype=torch.bfloat16); "
+            "flash_kda.fwd(q, q, q, q, b, 0.1, torch.empty_like(q), None, None, -5.0); "
+            "assert flash_kda.last_error() is None; "
+            "assert not torch.cuda.is_initialized(), 'last_error initialised CUDA'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with pytest.raises(ValueError, match=r"last_error needs a CUDA device, got device=device\(type='cpu'\)"):
+        flash_kda.last_error("cpu")
+
+
+def test_last_error_on_a_named_cuda_device_before_any_call_is_none():
+    """An explicit CUDA device before any CUDA call: nothing to report (no CUDA needed to say so)."""
+    code = ("import torch, flash_kda; "
+            "assert flash_kda.last_error(0) is None and flash_kda.last_error('cuda') is None; "
+            "assert not torch.cuda.is_initialized(), 'last_error initialised CUDA'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_plan_queries_name_a_non_tensor():
+    for call, name in ((lambda: flash_kda.workspace_bytes([1, 2]), "q"),
+                       (lambda: flash_kda.plan(torch.zeros(4, 128)), "q"),
+                       (lambda: flash_kda.workspace_bytes(torch.zeros(1, 8, 2, 128), [0, 8]), "cu_seqlens"),
+                       (lambda: flash_kda.workspace_bytes(torch.zeros(1, 8, 2, 128), None, [0]), "state_indices")):
+        with pytest.raises(TypeError, match=rf"^{name} must be"):
+            call()
+
+
+def test_cuda_queries_without_cuda_name_themselves(monkeypatch):
+    """Without a CUDA device, the calls that default to the current one say so by name (not torch's assertion).
+    (torch.cuda.is_available patched to False, so that this runs on GPU machines too.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for call, name in ((lambda: flash_kda.reserve_workspace(16), "reserve_workspace"),
+                       (lambda: flash_kda.device_info(), "device_info")):
+        with pytest.raises(RuntimeError, match=rf"^{name} needs a CUDA device and torch sees none"):
+            call()
 
 
 @pytest.mark.gpu

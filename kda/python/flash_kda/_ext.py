@@ -52,6 +52,15 @@ def load() -> ModuleType:
     return mod
 
 
+def current_cuda_index(caller: str) -> int:
+    """The current CUDA device's index, for ``caller`` given no device; a RuntimeError naming ``caller`` where
+    torch sees no CUDA device (torch's own error says neither which call nor why)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{caller} needs a CUDA device and torch sees none (torch.cuda.is_available() is False); "
+                           "flash_kda.fwd runs on CPU tensors without one")
+    return torch.cuda.current_device()
+
+
 def build_info() -> dict:
     """The extension's build facts: toolkit version, archs compiled in, compiler flags."""
     return dict(load().build_info())
@@ -68,7 +77,7 @@ def device_info(device: int | torch.device | None = None) -> dict:
     values as int).
     """
     if device is None:
-        index = torch.cuda.current_device()
+        index = current_cuda_index("device_info")
     elif isinstance(device, int):
         index = device
     else:

@@ -342,14 +342,23 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
     call enqueued on ``device`` before it, on any stream and from any thread (it waits for all of the device's
     work: ``torch.cuda.synchronize(device)``), then reads and resets the word in one atomic exchange and returns a
     message naming ``cu_seqlens[i]``, or ``state_indices[n]`` (and ``num_accepted_tokens[n]`` after calls with
-    per-token states: the word names the sequence, not which of the two was bad); the outputs of a call with a
-    malformed ``cu_seqlens`` are unspecified, a sequence whose starting index is past the pool, or whose count is
-    outside [1, L], ran from zeros, and no state was written past the pool (no memory outside the pool was
-    touched). Calls enqueued while the query runs are reported by the next query.
+    per-token states: the word names the sequence, not which of the two was bad), or ``checkpoint_indices[n]``;
+    the outputs of a call with a malformed ``cu_seqlens`` are unspecified, a sequence whose starting index is past
+    the pool, or whose count is outside [1, L], ran from zeros, and no state or checkpoint was written past the pool
+    (no memory outside the pool was touched). Calls enqueued while the query runs are reported by the next query.
+    Before any CUDA call with device checks (on a machine without CUDA, say) it returns None and leaves CUDA
+    uninitialised.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"last_error needs a CUDA device, got {device=}")
+    if device is not None:
+        # (an int is a CUDA index: torch.device(int) would ask for an accelerator, which may not exist)
+        device = (torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool)
+                  else torch.device(device))
+        if device.type != "cuda":
+            raise ValueError(f"last_error needs a CUDA device, got {device=}")
+    if not _status_words:  # no CUDA call has had a word to lower: nothing to report, and no CUDA to ask
+        return None
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     index = device_index(device)
     word = _status_words.get(index)
     if word is None:
@@ -444,7 +453,8 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes=}")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    device = (torch.device("cuda", _ext.current_cuda_index("reserve_workspace")) if device is None
+              else torch.device(device))
     if isinstance(device, torch.device) and device.type != "cuda":
         raise ValueError(f"reserve_workspace needs a CUDA device, got {device=}")
     if device.index is None:

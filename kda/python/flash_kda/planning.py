@@ -106,8 +106,11 @@ def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
     ``state_indices`` (N or N·L int64 slots) or ``num_accepted_tokens`` (N int64 counts) with CUDA ``q`` adds room
     for its device copy.
     """
+    for name, t in (("state_indices", state_indices), ("num_accepted_tokens", num_accepted_tokens)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be None or the call's {name} tensor, got {type(t).__name__}")
+    kernel_bytes = _plan_and_bytes(q, cu_seqlens, heads, gate)[1]  # (checks q and cu_seqlens)
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
-    kernel_bytes = _plan_and_bytes(q, cu_seqlens, heads, gate)[1]
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     indices_on_host = state_indices is not None and cu_seqlens_on_host(q, state_indices)
     accepted_on_host = num_accepted_tokens is not None and cu_seqlens_on_host(q, num_accepted_tokens)
@@ -159,6 +162,12 @@ def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None, heads: int
     """``plan(q, cu_seqlens, heads=heads, gate=gate)`` and the kernels' workspace bytes under it."""
     if not isinstance(gate, str) or gate not in GATE_CODES:
         raise ValueError(f"gate must be one of {list(GATE_CODES)}, got {gate=}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise TypeError(f"q must be the call's q (or v), a 4-D tensor [B, T, H, K], got {type(q).__name__} "
+                        f"{tuple(q.shape) if isinstance(q, torch.Tensor) else ''}".rstrip())
+    if cu_seqlens is not None and (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1):
+        raise TypeError(f"cu_seqlens must be None or the call's 1-D boundaries [N + 1], got {type(cu_seqlens).__name__} "
+                        f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else ''}".rstrip())
     B, T, H = (int(d) for d in q.shape[:3])  # (int: symbolic sizes under torch.compile specialise here)
     if heads is not None:
         if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads < 0:
