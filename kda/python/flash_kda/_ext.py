@@ -52,9 +52,23 @@ def load() -> ModuleType:
     return mod
 
 
-def current_cuda_index(caller: str) -> int:
-    """The current CUDA device's index, for ``caller`` given no device; a RuntimeError naming ``caller`` where
-    torch sees no CUDA device (torch's own error says neither which call nor why)."""
+def cuda_device(device, caller: str) -> torch.device | None:
+    """``device`` (None, an int CUDA index, a str or a torch.device) as a torch.device, None kept; a ValueError
+    naming ``caller`` if it is not a CUDA device. Touches no CUDA (torch.device(int) would ask for an accelerator,
+    which may not exist: an int here is a CUDA index)."""
+    if device is None:
+        return None
+    device = torch.device("cuda", int(device)) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"{caller} needs a CUDA device, got {device=}")
+    return device
+
+
+def cuda_index(device: torch.device | None, caller: str) -> int:
+    """The index of ``cuda_device``'s result, the current CUDA device's for None or no index; a RuntimeError naming
+    ``caller`` where torch sees no CUDA device (torch's own error says neither which call nor why)."""
+    if device is not None and device.index is not None:
+        return device.index
     if not torch.cuda.is_available():
         raise RuntimeError(f"{caller} needs a CUDA device and torch sees none (torch.cuda.is_available() is False); "
                            "flash_kda.fwd runs on CPU tensors without one")
@@ -76,15 +90,7 @@ def device_info(device: int | torch.device | None = None) -> dict:
     Returns a dict with at least name, major, minor, sm_count, driver_version, runtime_version (integral
     values as int).
     """
-    if device is None:
-        index = current_cuda_index("device_info")
-    elif isinstance(device, int):
-        index = device
-    else:
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"device_info needs a CUDA device, got {device=}")
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(cuda_device(device, "device_info"), "device_info")
     # The binding reports strings; integers come back as ints so callers can compare capabilities.
     return {key: int(value) if isinstance(value, str) and value.isdigit() else value
             for key, value in load().device_info(index).items()}

@@ -24,7 +24,6 @@ from flash_kda.validation import (
     check_state_indices,
     checked_cu_seqlens,
     cu_seqlens_on_host,
-    device_index,
     pool_slots,
     sequence_lengths,
     validate,
@@ -349,17 +348,10 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
     Before any CUDA call with device checks (on a machine without CUDA, say) it returns None and leaves CUDA
     uninitialised.
     """
-    if device is not None:
-        # (an int is a CUDA index: torch.device(int) would ask for an accelerator, which may not exist)
-        device = (torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool)
-                  else torch.device(device))
-        if device.type != "cuda":
-            raise ValueError(f"last_error needs a CUDA device, got {device=}")
+    device = _ext.cuda_device(device, "last_error")
     if not _status_words:  # no CUDA call has had a word to lower: nothing to report, and no CUDA to ask
         return None
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    index = device_index(device)
+    index = _ext.cuda_index(device, "last_error")
     word = _status_words.get(index)
     if word is None:
         return None
@@ -374,7 +366,7 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
         n = first_bad - C.STATUS_CHECKPOINT_INDEX_BASE
         pool = f"P = {sizes[0]}" if len(sizes) == 1 else "P of that call; the calls since the last query had P in " + str(sizes)
         return (
-            f"flash_kda: a call on cuda:{device_index(device)} got a malformed checkpoint_indices: an entry of "
+            f"flash_kda: a call on cuda:{index} got a malformed checkpoint_indices: an entry of "
             f"checkpoint_indices[{n}] is past the pool's last slot ({pool}); no checkpoint was written there"
         )
     if first_bad >= C.STATUS_STATE_INDEX_BASE:
@@ -383,17 +375,17 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
         if per_token:
             slot = f"an entry of state_indices[{n}] is past the pool's last slot ({pool}), or " if sizes else ""
             return (
-                f"flash_kda: a call on cuda:{device_index(device)} got a malformed state_indices or "
+                f"flash_kda: a call on cuda:{index} got a malformed state_indices or "
                 f"num_accepted_tokens for sequence {n}: {slot}num_accepted_tokens[{n}] is outside [1, L] (L: "
                 "state_indices.shape[1]); a sequence without a starting slot in the pool ran from a zero state, and "
                 "no state was written to a slot past the pool"
             )
         return (
-            f"flash_kda: a call on cuda:{device_index(device)} got a malformed state_indices: state_indices[{n}] is "
+            f"flash_kda: a call on cuda:{index} got a malformed state_indices: state_indices[{n}] is "
             f"past the pool's last slot ({pool}); that sequence ran from a zero state and wrote no final state"
         )
     return (
-        f"flash_kda: a call on cuda:{device_index(device)} got a malformed cu_seqlens: cu_seqlens[{first_bad}] is "
+        f"flash_kda: a call on cuda:{index} got a malformed cu_seqlens: cu_seqlens[{first_bad}] is "
         "its first bad boundary (cu_seqlens must start at 0, never decrease and end at the number of tokens); "
         "the outputs of that call are unspecified"
     )
@@ -453,11 +445,6 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes=}")
-    device = (torch.device("cuda", _ext.current_cuda_index("reserve_workspace")) if device is None
-              else torch.device(device))
-    if isinstance(device, torch.device) and device.type != "cuda":
-        raise ValueError(f"reserve_workspace needs a CUDA device, got {device=}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    _status_word(device.index)  # the error word too, so that capture allocates nothing
-    return _cached_workspace(device.index, _ext.current_stream(device.index), int(nbytes))
+    index = _ext.cuda_index(_ext.cuda_device(device, "reserve_workspace"), "reserve_workspace")
+    _status_word(index)  # the error word too, so that capture allocates nothing
+    return _cached_workspace(index, _ext.current_stream(index), int(nbytes))
