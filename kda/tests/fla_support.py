@@ -4,10 +4,10 @@ fla's KimiDeltaAttention layer without importing every fla layer, and a script r
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
 
+import fresh_process
 import pytest
 
 
@@ -38,9 +38,6 @@ def kda_layer_class():
 
 
 def assert_fresh_process_ok(script: str) -> None:
-    """Runs ``script`` in a fresh interpreter with this one's import path (fla's dispatch switch unset) and requires
-    it to exit 0 and print "fresh process ok": what fla does before anything here has registered a backend."""
-    env = {k: v for k, v in os.environ.items() if k != "FLA_FLASH_KDA"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and "fresh process ok" in result.stdout, result.stdout + result.stderr
+    """``fresh_process.assert_fresh_process_ok`` with fla's dispatch switch unset: what fla does before anything
+    here has registered a backend."""
+    fresh_process.assert_fresh_process_ok(script, unset=("FLA_FLASH_KDA",))

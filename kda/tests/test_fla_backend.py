@@ -18,11 +18,10 @@ GPU tests with the real fla: test_fla_recurrent.py, test_fla_layer.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import types
 
+import fresh_process
 import pytest
 import torch
 
@@ -588,10 +587,8 @@ def test_mapping_padding_slot_starts_from_zeros_and_writes_nothing(any_device):
 def test_importing_flash_kda_imports_no_fla():
     code = ("import sys, flash_kda, flash_kda.fla_backend; "
             "loaded = sorted(m for m in sys.modules if m == 'fla' or m.startswith('fla.')); "
-            "assert not loaded, loaded")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+            "assert not loaded, loaded; print('fresh process ok')")
+    fresh_process.assert_fresh_process_ok(code)
 
 
 def test_register_without_fla_names_it(monkeypatch):

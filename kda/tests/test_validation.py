@@ -9,11 +9,9 @@ their computation is checked in test_cpu_path and test_reference.
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 
+import fresh_process
 import pytest
 import torch
 
@@ -910,10 +908,9 @@ def test_last_error_before_any_cuda_call_is_none_without_cuda():
             "b = torch.zeros(1, 20, 1, dtype=torch.bfloat16); "
             "flash_kda.fwd(q, q, q, q, b, 0.1, torch.empty_like(q), None, None, -5.0); "
             "assert flash_kda.last_error() is None; "
-            "assert not torch.cuda.is_initialized(), 'last_error initialised CUDA'")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+            "assert not torch.cuda.is_initialized(), 'last_error initialised CUDA'; "
+            "print('fresh process ok')")
+    fresh_process.assert_fresh_process_ok(code)
     with pytest.raises(ValueError, match=r"last_error needs a CUDA device, got device=device\(type='cpu'\)"):
         flash_kda.last_error("cpu")
 
@@ -922,10 +919,9 @@ def test_last_error_on_a_named_cuda_device_before_any_call_is_none():
     """An explicit CUDA device before any CUDA call: nothing to report (no CUDA needed to say so)."""
     code = ("import torch, flash_kda; "
             "assert flash_kda.last_error(0) is None and flash_kda.last_error('cuda') is None; "
-            "assert not torch.cuda.is_initialized(), 'last_error initialised CUDA'")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+            "assert not torch.cuda.is_initialized(), 'last_error initialised CUDA'; "
+            "print('fresh process ok')")
+    fresh_process.assert_fresh_process_ok(code)
 
 
 def test_plan_queries_name_a_non_tensor():
