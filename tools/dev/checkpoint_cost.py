@@ -5,32 +5,16 @@ from torch.profiler. Figures measured with it: docs/PERFORMANCE.md, "Checkpoints
 
 On the GPU machine, after `tools/offline/bazel-offline build //kda:py //kda/bench:all`:
   R=bazel-bin/kda/bench/bench_fwd.runfiles/flash_kda
-  PYTHONPATH="${R}/kda/python" /opt/torch/.venv/bin/python3 tools/dev/checkpoint_cost.py
+  PYTHONPATH="$(pwd)/kda/bench:${R}/kda/python" /opt/torch/.venv/bin/python3 tools/dev/checkpoint_cost.py
 """
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import bench_fwd  # kda/bench: time_ms, bench_fwd's CUDA-event timing of one eager call
 import flash_kda
 
 DEVICE = "cuda"
 SCALE, LOWER_BOUND = 128**-0.5, -5.0
-
-
-def event_ms(call, iters: int = 40) -> float:
-    """Median time of one eager call between two CUDA events."""
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def kernel_us(call, reps: int = 10) -> dict:
@@ -85,7 +69,7 @@ def variants(T: int, H: int) -> dict:
 def main() -> None:
     for T, H in ((8192, 32), (131072, 1)):
         for name, call in variants(T, H).items():
-            ms = event_ms(call)
+            ms = bench_fwd.time_ms(call, iters=40, warmup=5)
             kernels = sorted(kernel_us(call).items(), key=lambda row: -row[1][1])
             listed = "; ".join(f"{kernel.split('<')[0].split('(')[0]} x{count:g} {us:.1f}us"
                                for kernel, (count, us) in kernels)
