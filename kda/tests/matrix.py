@@ -1050,3 +1050,17 @@ def capture(call, setup=None):
             call()
     torch.cuda.current_stream().wait_stream(side)
     return graph
+
+
+def assert_reports(call, *names: str) -> None:
+    """Runs ``call()`` (a CUDA call with a malformed index or boundary) with nothing pending before it, and
+    requires flash_kda.last_error() to name each of ``names``, then nothing (the query resets the word)."""
+    import flash_kda  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    assert flash_kda.last_error() is None  # nothing pending from earlier tests
+    call()
+    torch.cuda.synchronize()  # a device fault would surface here
+    message = flash_kda.last_error()
+    assert message is not None and all(name in message for name in names), message
+    assert flash_kda.last_error() is None  # the query resets the word
