@@ -20,7 +20,7 @@ namespace kda {
 // entry: a sequence's M entries in one thread measured 16 us for M = 512 on the H200, 2026-12-02). The decode
 // kernel's instantiations without checkpoints leave that part out.
 template <bool kCheckpoints = true>
-__device__ __forceinline__ int64_t last_check_item(const FwdParams& p) {
+__host__ __device__ __forceinline__ int64_t last_check_item(const FwdParams& p) {  // (the host sizes the grid)
   if constexpr (!kCheckpoints) return p.num_seqs;
   const int64_t entries = p.checkpoint_indices != nullptr ? p.num_seqs * p.checkpoint_cols : 0;
   return entries > p.num_seqs + 1 ? entries - 1 : p.num_seqs;

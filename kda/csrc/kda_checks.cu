@@ -49,7 +49,7 @@ void launch_boundary_check(const FwdParams& p, cudaStream_t stream) {
   const bool checks = p.status != nullptr && (p.cu_seqlens != nullptr || p.state_indices != nullptr);
   if (!checks && !p.longest_first) return;  // (longest first implies cu_seqlens)
   // one thread per check item (input_checks.cuh), at most kMaxCheckBlocks CTAs striding over them
-  const int64_t items = std::max(p.num_seqs + 1, p.checkpoint_indices != nullptr ? p.num_seqs * p.checkpoint_cols : 0);
+  const int64_t items = last_check_item(p) + 1;
   const int64_t blocks = std::min<int64_t>((items + kCheckThreads - 1) / kCheckThreads, kMaxCheckBlocks);
   kda_check_boundaries_kernel<<<static_cast<unsigned>(blocks), kCheckThreads, 0, stream>>>(p);
   KDA_CHECK_LAUNCH("kda_check_boundaries_kernel");
