@@ -434,6 +434,25 @@ PYBIND11_MODULE(_C, m) {
   def_elementwise("softplus_log2", kda::Elementwise::kSoftplusLog2,
                   "y = log2(1 + e^x) as the softplus gate computes it (gate.cuh, softplus_log2), fp32 arrays.");
   m.def(
+      "lane_leaves",
+      [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t leaves, int64_t groups, int64_t rows, std::uintptr_t s) {
+        py::gil_scoped_release release;
+        kda::launch_lane_leaves(ptr<const float>(a), ptr<const float>(b), ptr<float>(leaves), groups, rows,
+                                stream_of(s));
+      },
+      py::arg("a"), py::arg("b"), py::arg("leaves"), py::arg("groups"), py::arg("rows"), py::arg("stream"),
+      "The decode kernel's lane leaves of a[g, r, :]·b[g, :] (fp32 [G, R, 128], [G, 128] -> [G, R, 32]).");
+  m.def(
+      "row_fma",
+      [](std::uintptr_t u, std::uintptr_t k, std::uintptr_t st, std::uintptr_t out, int64_t groups, int64_t rows,
+         std::uintptr_t s) {
+        py::gil_scoped_release release;
+        kda::launch_row_fma(ptr<const float>(u), ptr<const float>(k), ptr<const float>(st), ptr<float>(out), groups,
+                            rows, stream_of(s));
+      },
+      py::arg("u"), py::arg("k"), py::arg("s"), py::arg("out"), py::arg("groups"), py::arg("rows"), py::arg("stream"),
+      "out[g, r, c] = fma(u[g, r], k[g, c], s[g, r, c]) rounded once (fp32 [G, R], [G, 128], [G, R, 128]).");
+  m.def(
       "mma_bf16",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t d, int64_t batch, int m_, int n_,
          int k_, std::uintptr_t s) {

@@ -1,8 +1,10 @@
 // The decode kernel (plan.decode; docs/DESIGN.md, "The decode kernel"): short sequences, token by token, with the
 // state in fp32 registers. The arithmetic is docs/NUMERICS.md's "The decode kernel", which
 // flash_kda.numerics.decode_twin_forward re-enacts bit for bit: every fp32 step is an explicitly rounded
-// intrinsic (no FMA contraction), every sum over the 128 channels is the lane partial ((p0+p1)+(p2+p3)) followed by
-// the halving tree over lanes (xor 16, 8, 4, 2, 1).
+// intrinsic, the products that feed a sum or the state update are single-rounded FMAs (__fmaf_rn, 4 operations
+// per state element and token instead of 6.5: the kernel is bound by them from 4 tokens per sequence on), and
+// every sum over the 128 channels is the lane leaf (device_math.cuh, lane_leaf4) followed by the halving tree over
+// lanes (xor 16, 8, 4, 2, 1).
 //
 // Work items: (sequence n, head h, part) owns state rows part*64 .. part*64+63, a contiguous 64 x 128 block; 4 warps
 // of 16 rows. Lane l owns columns 4l..4l+3 of each of its warp's rows: 16 x 4 fp32 state registers. Every warp
@@ -93,12 +95,6 @@ __device__ __forceinline__ void store4(__nv_bfloat16* dst, const float (&x)[4]) 
   raw.x = pack_bf16x2(x[0], x[1]);
   raw.y = pack_bf16x2(x[2], x[3]);
   *reinterpret_cast<uint2*>(dst) = raw;
-}
-
-// The lane's leaf of a sum over 128 channels: ((a0·b0 + a1·b1) + (a2·b2 + a3·b3)), each product rounded.
-__device__ __forceinline__ float dot4(const float (&a)[4], const float (&b)[4]) {
-  return __fadd_rn(__fadd_rn(__fmul_rn(a[0], b[0]), __fmul_rn(a[1], b[1])),
-                   __fadd_rn(__fmul_rn(a[2], b[2]), __fmul_rn(a[3], b[3])));
 }
 
 // The whole-warp sum of one leaf per lane (the halving tree, as an xor butterfly: every lane gets it).
@@ -218,7 +214,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
       for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) s[i][c] = __fmul_rn(s[i][c], alpha[c]);
-        part[i] = dot4(s[i], kh);
+        part[i] = lane_leaf4(s[i], kh);
       }
       const float u_mine = __fmul_rn(beta, __fsub_rn(bf16_to_float(cur.v), reduce_scatter_16(part, lane)));
 
@@ -227,8 +223,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
       for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
         const float u = __shfl_sync(0xffffffffu, u_mine, 2 * i);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s[i][c] = __fadd_rn(s[i][c], __fmul_rn(u, kh[c]));
-        part[i] = dot4(s[i], qt);
+        for (int c = 0; c < 4; ++c) s[i][c] = __fmaf_rn(u, kh[c], s[i][c]);
+        part[i] = lane_leaf4(s[i], qt);
       }
       const float o = reduce_scatter_16(part, lane);
       if ((lane & 1) == 0 && !p.states_only) {

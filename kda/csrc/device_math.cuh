@@ -1,7 +1,8 @@
 // Device arithmetic shared by the KDA kernels and the elementwise/matmul helpers that the Python numerics
 // twin calls. Every floating-point step that affects results goes through an explicitly rounded intrinsic
 // (__fadd_rn, __fmul_rn, ...) so the compiler cannot contract it into an FMA: the twin re-enacts these
-// exact roundings with PyTorch's IEEE-rounded elementwise ops.
+// exact roundings with PyTorch's IEEE-rounded elementwise ops. The decode kernel's FMAs are explicit too
+// (__fmaf_rn, lane_leaf4), and the twin takes them from the helpers (helpers.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -70,6 +71,12 @@ __device__ __forceinline__ void store_pair(float* dst, float a, float b) {
 }
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+}
+
+// A lane's leaf of a sum over 128 channels in the decode kernel: a3·b3 + (a2·b2 + (a1·b1 + a0·b0)), one rounded
+// product and three FMAs.
+__device__ __forceinline__ float lane_leaf4(const float (&a)[4], const float (&b)[4]) {
+  return __fmaf_rn(a[3], b[3], __fmaf_rn(a[2], b[2], __fmaf_rn(a[1], b[1], __fmul_rn(a[0], b[0]))));
 }
 
 // D = C + A·B for one m16n8k16 tile: bf16 operands, fp32 accumulators, fragments as the PTX ISA lays them

@@ -29,6 +29,35 @@ __global__ void elementwise_kernel(Elementwise op, const float* __restrict__ x, 
   }
 }
 
+// One thread per leaf: 32 leaves per row of 128 channels (kHeadDim).
+__global__ void lane_leaves_kernel(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ leaves,
+                                   int64_t groups, int64_t rows) {
+  const int64_t n = groups * rows * 32;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / 32, g = row / rows;
+    const int l = static_cast<int>(i % 32);
+    float x[4], y[4];
+    for (int c = 0; c < 4; ++c) x[c] = a[row * kHeadDim + 4 * l + c], y[c] = b[g * kHeadDim + 4 * l + c];
+    leaves[i] = lane_leaf4(x, y);
+  }
+}
+
+__global__ void row_fma_kernel(const float* __restrict__ u, const float* __restrict__ k, const float* __restrict__ s,
+                               float* __restrict__ s_out, int64_t groups, int64_t rows) {
+  const int64_t n = groups * rows * kHeadDim;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / kHeadDim, g = row / rows;
+    s_out[i] = __fmaf_rn(u[row], k[g * kHeadDim + i % kHeadDim], s[i]);
+  }
+}
+
+unsigned elementwise_grid(int64_t n) {
+  const int64_t blocks = (n + kElementwiseThreads - 1) / kElementwiseThreads;
+  return static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
+}
+
 __device__ __forceinline__ uint32_t pack_raw_bf16x2(__nv_bfloat16 lo, __nv_bfloat16 hi) {
   return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
          (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16);
@@ -75,10 +104,24 @@ __global__ void mma_bf16_kernel(const __nv_bfloat16* __restrict__ a, const __nv_
 
 void launch_elementwise(Elementwise op, const float* x, float* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  const int64_t blocks = (n + kElementwiseThreads - 1) / kElementwiseThreads;
-  const unsigned grid = static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-  elementwise_kernel<<<grid, kElementwiseThreads, 0, stream>>>(op, x, y, n);
+  elementwise_kernel<<<elementwise_grid(n), kElementwiseThreads, 0, stream>>>(op, x, y, n);
   KDA_CHECK_LAUNCH("elementwise_kernel");
+}
+
+void launch_lane_leaves(const float* a, const float* b, float* leaves, int64_t groups, int64_t rows,
+                        cudaStream_t stream) {
+  const int64_t n = groups * rows * 32;
+  if (n == 0) return;
+  lane_leaves_kernel<<<elementwise_grid(n), kElementwiseThreads, 0, stream>>>(a, b, leaves, groups, rows);
+  KDA_CHECK_LAUNCH("lane_leaves_kernel");
+}
+
+void launch_row_fma(const float* u, const float* k, const float* s, float* s_out, int64_t groups, int64_t rows,
+                    cudaStream_t stream) {
+  const int64_t n = groups * rows * kHeadDim;
+  if (n == 0) return;
+  row_fma_kernel<<<elementwise_grid(n), kElementwiseThreads, 0, stream>>>(u, k, s, s_out, groups, rows);
+  KDA_CHECK_LAUNCH("row_fma_kernel");
 }
 
 void launch_mma_bf16(const void* a, const void* b, const float* c, float* d, int64_t batch, int m, int n, int k,

@@ -37,6 +37,13 @@ void fwd(const FwdParams& p, cudaStream_t stream);
 enum class Elementwise { kEx2Approx, kTanhApprox, kSigmoidApprox, kSoftplusLog2 };
 void launch_elementwise(Elementwise op, const float* x, float* y, int64_t n, cudaStream_t stream);
 
+// The decode kernel's fused steps on fp32 device arrays (helpers.cu), for G groups of R rows of 128 channels:
+// leaves[g, r, l] = lane_leaf4(a[g, r, 4l..4l+3], b[g, 4l..4l+3]) and s_out[g, r, c] = fma(u[g, r], k[g, c], s[g, r, c]).
+void launch_lane_leaves(const float* a, const float* b, float* leaves, int64_t groups, int64_t rows,
+                        cudaStream_t stream);
+void launch_row_fma(const float* u, const float* k, const float* s, float* s_out, int64_t groups, int64_t rows,
+                    cudaStream_t stream);
+
 // D = C + A·B per batch entry through mma.sync m16n8k16 (bf16 in, fp32 accumulate), k-steps in order.
 // A [batch, m, k] bf16, B [batch, k, n] bf16, C (may be null = zeros), D [batch, m, n] fp32; row-major.
 void launch_mma_bf16(const void* a, const void* b, const float* c, float* d, int64_t batch, int m, int n, int k,

@@ -2,8 +2,10 @@
 
 ex2/tanh/sigmoid approximations are close to the exact functions within the PTX ISA's documented accuracy and
 bitwise deterministic; mma_bf16 equals a float64 matmul of its bf16 inputs within fp32-accumulation error, is
-deterministic, and chains its 16-wide k-steps in order (so splitting k reproduces it bit for bit);
-device_info/build_info report the device and the compiled arch.
+deterministic, and chains its 16-wide k-steps in order (so splitting k reproduces it bit for bit); the decode
+kernel's FMA steps (lane_leaves, row_fma) round each FMA once, bit for bit as numerics.fma_rn defines it
+(test_fma_emulation checks that definition against exact fractions); device_info/build_info report the device and
+the compiled arch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_kda import _ext, compare
+import fma_cases
+from flash_kda import _ext, compare, numerics
 
 pytestmark = pytest.mark.gpu
 
@@ -69,6 +72,56 @@ def test_elementwise_keeps_shape_and_rejects_bad_input():
         _ext.tanh_approx(x.double())
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         _ext.tanh_approx(x.cpu())
+
+
+def _fma_operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    parts = [fma_cases.random_cases(scale) for scale in (1.0, 2.0**-60, 2.0**40)]
+    parts += [fma_cases.subnormal_cases(), fma_cases.halfway_cases()]
+    return tuple(torch.cat([p[i] for p in parts]).cuda() for i in range(3))
+
+
+def test_row_fma_rounds_once():
+    a, b, c = _fma_operands()  # as [G, 1, 128] rows: k[g, 0] = b, the other channels random
+    n = a.numel()
+    k = torch.randn(n, 128, device="cuda")
+    k[:, 0] = b
+    s = torch.randn(n, 1, 128, device="cuda")
+    s[:, 0, 0] = c
+    got = _ext.row_fma(a[:, None], k, s)
+    compare.assert_bitwise_equal(got, numerics.fma_rn(a[:, None, None].expand_as(s), k[:, None, :].expand_as(s), s),
+                                 "row_fma")
+    twice = (s[:, 0, 0].double() + a.double() * b.double()).float()
+    assert bool((got[:, 0, 0] != twice).any()), "the operands include sums that a second rounding changes"
+
+
+def test_lane_leaves_round_each_fma_once():
+    x, y, z = _fma_operands()  # leaf 0 of group g starts fma(x, y, z): a₁ = x, b₁ = y after a₀·b₀ = z·1
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(x.numel(), 1, 128, device="cuda", generator=gen)
+    b = torch.randn(x.numel(), 128, device="cuda", generator=gen)
+    a[:, 0, 0], b[:, 0] = z, 1.0
+    a[:, 0, 1], b[:, 1] = x, y
+    compare.assert_bitwise_equal(_ext.lane_leaves(a, b), numerics.lane_leaves_rn(a, b), "lane_leaves, hard operands")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 128])
+def test_lane_leaves_shapes(rows):
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    a = torch.randn(3, 2, rows, 128, device="cuda", generator=gen)
+    b = torch.randn(3, 2, 128, device="cuda", generator=gen)
+    leaves = _ext.lane_leaves(a, b)
+    assert leaves.shape == (3, 2, rows, 32)
+    compare.assert_bitwise_equal(leaves, numerics.lane_leaves_rn(a, b), f"lane_leaves, {rows} rows")
+
+
+def test_fma_helpers_reject_bad_shapes():
+    a = torch.zeros(2, 4, 128, device="cuda")
+    with pytest.raises(ValueError, match="lane_leaves"):
+        _ext.lane_leaves(a, torch.zeros(3, 128, device="cuda"))
+    with pytest.raises(ValueError, match="row_fma"):
+        _ext.row_fma(torch.zeros(2, 5, device="cuda"), torch.zeros(2, 128, device="cuda"), a)
+    with pytest.raises(TypeError, match="float32"):
+        _ext.lane_leaves(a.double(), torch.zeros(2, 128, device="cuda"))
 
 
 @pytest.mark.parametrize(("batch", "m", "n", "k"), [((), 16, 8, 16), ((3,), 16, 128, 128), ((2, 4), 32, 16, 48)])

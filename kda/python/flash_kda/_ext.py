@@ -22,6 +22,8 @@ __all__ = [
     "tanh_approx",
     "sigmoid_approx",
     "softplus_log2",
+    "lane_leaves",
+    "row_fma",
     "mma_bf16",
 ]
 
@@ -147,6 +149,48 @@ def softplus_log2(x: torch.Tensor) -> torch.Tensor:
     """y = log2(1 + e^x) elementwise exactly as the softplus gate computes it (fp32 CUDA tensor in, new tensor
     out)."""
     return _elementwise("softplus_log2", x)
+
+
+def _check_rows(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """a [..., R, 128] and b [..., 128] with the same leading dims, fp32 on one CUDA device."""
+    _check_fp32_cuda("a", a)
+    _check_fp32_cuda("b", b)
+    if a.dim() < 2 or a.shape[-1] != 128 or tuple(b.shape) != (*a.shape[:-2], 128):
+        raise ValueError(f"{what} needs a [..., R, 128] and b [..., 128] with the same leading dims, got "
+                         f"{tuple(a.shape)=} {tuple(b.shape)=}")
+    if a.device != b.device:
+        raise ValueError(f"{what} needs one device, got {a.device=} {b.device=}")
+
+
+def lane_leaves(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's lane leaves of each row's sum a[..., r, :]·b[..., :]: leaf l is
+    a₃·b₃ + (a₂·b₂ + (a₁·b₁ + a₀·b₀)) over channels 4l..4l+3, three of its steps single-rounded FMAs
+    (device_math.cuh, lane_leaf4). a fp32 [..., R, 128], b fp32 [..., 128] -> fp32 [..., R, 32], CUDA."""
+    _check_rows(a, b, "lane_leaves")
+    a, b = a.contiguous(), b.contiguous()
+    leaves = torch.empty((*a.shape[:-1], 32), dtype=torch.float32, device=a.device)
+    if leaves.numel():
+        with torch.cuda.device(a.device):
+            load().lane_leaves(a.data_ptr(), b.data_ptr(), leaves.data_ptr(), math.prod(a.shape[:-2]), a.shape[-2],
+                               current_stream(a.device.index))
+    return leaves
+
+
+def row_fma(u: torch.Tensor, k: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's state update s[..., r, c] + u[..., r]·k[..., c], rounded once (``__fmaf_rn``).
+    u fp32 [..., R], k fp32 [..., 128], s fp32 [..., R, 128] -> a new fp32 [..., R, 128], CUDA."""
+    _check_rows(s, k, "row_fma")
+    _check_fp32_cuda("u", u)
+    if tuple(u.shape) != tuple(s.shape[:-1]) or u.device != s.device:
+        raise ValueError(f"row_fma needs u [..., R] beside s [..., R, 128] on its device, got {tuple(u.shape)=} "
+                         f"{tuple(s.shape)=} {u.device=} {s.device=}")
+    u, k, s = u.contiguous(), k.contiguous(), s.contiguous()
+    out = torch.empty_like(s)
+    if out.numel():
+        with torch.cuda.device(s.device):
+            load().row_fma(u.data_ptr(), k.data_ptr(), s.data_ptr(), out.data_ptr(), math.prod(s.shape[:-2]),
+                           s.shape[-2], current_stream(s.device.index))
+    return out
 
 
 def mma_bf16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:

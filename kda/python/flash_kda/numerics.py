@@ -7,8 +7,9 @@ recurrence_step.cuh), step for step and in the same order. What differs is the a
   (``ex2.approx.ftz``, ``tanh.approx`` through the extension's helpers), the same bf16 rounding of every
   tensor-core operand, and every product through the extension's ``mma.sync`` helper with k-steps chained in
   the kernel's order. Elementwise fp32 steps use PyTorch's IEEE-rounded ops, which is why the kernel spells
-  each of its steps with explicitly rounded intrinsics (no contraction into FMAs). On the GPU the kernel and
-  the twin must agree bit for bit.
+  each of its steps with explicitly rounded intrinsics (no contraction into FMAs); where the decode kernel asks
+  for an FMA (``__fmaf_rn``), ``fma_rn`` rounds a·b + c once, exactly as the hardware does. On the GPU the kernel
+  and the twin must agree bit for bit.
 * ``Fp32Arithmetic`` (the CPU path) keeps every operand in fp32 and uses exact ``exp2``/``sigmoid`` and
   fp32 matmuls: slower than the kernel, more accurate, and available on any device.
 
@@ -49,6 +50,17 @@ class Arithmetic:
     # Whether the state update also adds the low half of Uᵀ's rounding (the kernel's slow-decay rule); with
     # fp32 operands there is no rounding to add.
     hi_lo_update: Callable[[float], bool] = lambda lower_bound: False
+    # The decode recurrence's fused steps (``lane_leaves``, ``row_fma``): the kernel's single-rounded FMAs through
+    # the extension or, on the CPU path, the same order with two roundings per FMA (as accurate).
+    lane_leaves: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda a, b: _fp32_lane_leaves(a, b)
+    row_fma: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
+        lambda u, k, s: s + u[..., None] * k[..., None, :])
+
+
+def _fp32_lane_leaves(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``lane_leaves`` with each FMA as a product and a sum: a [..., R, 128], b [..., 128] -> [..., R, 32]."""
+    p = (a * b[..., None, :]).unflatten(-1, (32, 4))
+    return p[..., 3] + (p[..., 2] + (p[..., 1] + p[..., 0]))
 
 
 def _fp32_matmul(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -80,7 +92,50 @@ def kernel_arithmetic() -> Arithmetic:
         operand=lambda x: x.to(torch.bfloat16),
         matmul=mma,
         hi_lo_update=lambda lower_bound: bool(_ext.load().hi_lo_state_update(float(lower_bound))),
+        lane_leaves=_ext.lane_leaves,
+        row_fma=_ext.row_fma,
     )
+
+
+def fma_rn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a·b + c rounded once to nearest even (IEEE fusedMultiplyAdd, CUDA's ``__fmaf_rn``), on any device: the
+    definition the extension's ``lane_leaves`` and ``row_fma`` are checked against (tests/test_helpers.py).
+
+    In float64 the product is exact (24 + 24 significant bits) and the sum is rounded once; TwoSum gives that
+    rounding's error e exactly. Rounding the float64 sum s to fp32 then rounds the exact a·b + c = s + e correctly
+    except where s lies exactly halfway between two fp32 numbers and e ≠ 0 (double rounding): there the exact
+    sum is on e's side of the halfway point, so the result is the neighbour on that side."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    t = s - p
+    e = (p - (s - t)) + (cd - t)
+    r = s.float()
+    beyond = torch.where(s > r.double(), torch.inf, -torch.inf).to(torch.float32)  # from r toward s
+    other = torch.nextafter(r, beyond)
+    halfway = ((r.double() + other.double()) * 0.5 == s) & (e != 0) & torch.isfinite(s)
+    return torch.where(halfway, torch.where(e > 0, torch.maximum(r, other), torch.minimum(r, other)), r)
+
+
+def lane_leaves_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's lane leaves a₃·b₃ + (a₂·b₂ + (a₁·b₁ + a₀·b₀)), each FMA by ``fma_rn``:
+    a [..., R, 128], b [..., 128] -> [..., R, 32] (``lane_leaves``'s definition)."""
+    a = a.unflatten(-1, (32, 4))
+    b = b[..., None, :].unflatten(-1, (32, 4)).expand_as(a)
+    leaf = a[..., 0] * b[..., 0]
+    for c in range(1, 4):
+        leaf = fma_rn(a[..., c], b[..., c], leaf)
+    return leaf
+
+
+def halving_tree_32(leaves: torch.Tensor) -> torch.Tensor:
+    """Σ of 32 lane leaves (last dim) by the halving tree s[:16]+s[16:32], s[:8]+s[8:16], ... (the xor butterfly
+    over lanes 16, 8, 4, 2, 1)."""
+    width = 16
+    while width >= 1:
+        leaves = leaves[..., :width] + leaves[..., width : 2 * width]
+        width //= 2
+    return leaves[..., 0]
 
 
 def _fp32(value: float, device: torch.device) -> torch.Tensor:
@@ -552,10 +607,11 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
                       ar: Optional[Arithmetic] = None, *, gate_kind: str = "lower_bound",
                       beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel's token-by-token recurrence in fp32 (kda/csrc/decode.cu; docs/NUMERICS.md, "The decode
-    kernel"): (out bf16 [B,T,H,V], final fp32 [N,H,V,K]). Per token and state row v, each op rounded once (no FMA):
-    S[v,:] ⊙= α; r = v_t[v] − tree(S[v,:]·k̂); u = β·r; S[v,:] += u·k̂; o[v] = tree(S[v,:]·q̃); out = bf16(o), with
-    ``tree_sum_128``'s order. ``ar``: the kernel's approximate exp2 / sigmoid (``decode_twin_forward``) or, by
-    default, exact ones. All sequences advance in lockstep, one token per step."""
+    kernel"): (out bf16 [B,T,H,V], final fp32 [N,H,V,K]). Per token and state row v: S[v,:] ⊙= α;
+    r = v_t[v] − tree(S[v,:]·k̂); u = β·r; S[v,:] = fma(u, k̂, S[v,:]); o[v] = tree(S[v,:]·q̃); out = bf16(o), each
+    tree the lane leaves (``lane_leaves_rn``) and ``halving_tree_32``. ``ar``: the kernel's approximate exp2 /
+    sigmoid and single-rounded FMAs (``decode_twin_forward``) or, by default, exact exp2 / sigmoid and FMAs rounded
+    twice. All sequences advance in lockstep, one token per step."""
     out, state, _, _ = _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                                   ar, gate_kind, beta_scale)
     return out, state
@@ -602,12 +658,12 @@ def _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_sta
             active = (lengths_d > step).nonzero().flatten()  # the sequences that have token `step`
             tok = bos_d[active] + step
         s = state[active]  # [U, H, V, K]
-        kh, qt = k_hat[tok][:, :, None, :], q_t[tok][:, :, None, :]  # [U, H, 1, K]
+        kh, qt = k_hat[tok], q_t[tok]  # [U, H, K]
         s = s * alpha[tok][:, :, None, :]
-        r = vf[tok] - tree_sum_128(s * kh)  # [U, H, V]
+        r = vf[tok] - halving_tree_32(ar.lane_leaves(s, kh))  # [U, H, V]
         u = beta_act[tok][:, :, None] * r
-        s = s + u[..., None] * kh
-        out[tok] = tree_sum_128(s * qt).to(torch.bfloat16)
+        s = ar.row_fma(u, kh, s)
+        out[tok] = halving_tree_32(ar.lane_leaves(s, qt)).to(torch.bfloat16)
         state[active] = s
         if step < token_states:
             tokens[:, step] = state
