@@ -1758,7 +1758,8 @@ def test_checkpoint_indices_need_state_indices():
             "checkpoint_indices needs state_indices [N] (one slot per sequence; checkpoints are written into the pool "
             "it indexes), got state_indices=None with checkpoint_indices.shape=torch.Size([2, 1])")):
         flash_kda.fwd(**x)
-    assert torch.equal(x["final_state"], before)
+    # (bits, not values: the buffer is uninitialised and may hold NaN patterns, which never compare equal)
+    assert torch.equal(x["final_state"].view(torch.int32), before.view(torch.int32)), "a refused call must write nothing"
 
 
 def test_checkpoint_indices_refuse_per_token_state_indices():
