@@ -7,9 +7,9 @@ recurrence_step.cuh), step for step and in the same order. What differs is the a
   (``ex2.approx.ftz``, ``tanh.approx`` through the extension's helpers), the same bf16 rounding of every
   tensor-core operand, and every product through the extension's ``mma.sync`` helper with k-steps chained in
   the kernel's order. Elementwise fp32 steps use PyTorch's IEEE-rounded ops, which is why the kernel spells
-  each of its steps with explicitly rounded intrinsics (no contraction into FMAs); where the decode kernel asks
-  for an FMA (``__fmaf_rn``), ``fma_rn`` rounds a·b + c once, exactly as the hardware does. On the GPU the kernel
-  and the twin must agree bit for bit.
+  each of its steps with explicitly rounded intrinsics (no contraction into FMAs); the decode kernel's FMAs
+  (``__fmaf_rn``) come from the extension's helpers (``lane_leaves``, ``row_fma``), which ``fma_rn`` defines. On
+  the GPU the kernel and the twin must agree bit for bit.
 * ``Fp32Arithmetic`` (the CPU path) keeps every operand in fp32 and uses exact ``exp2``/``sigmoid`` and
   fp32 matmuls: slower than the kernel, more accurate, and available on any device.
 
@@ -148,12 +148,7 @@ def tree_sum_128(p: torch.Tensor) -> torch.Tensor:
     halving tree s[:16]+s[16:32], s[:8]+s[8:16], ... (what an xor butterfly over lanes 16, 8, 4, 2, 1 computes:
     fp addition is commutative)."""
     p = p.unflatten(-1, (32, 4))
-    s = (p[..., 0] + p[..., 1]) + (p[..., 2] + p[..., 3])
-    width = 16
-    while width >= 1:
-        s = s[..., :width] + s[..., width : 2 * width]
-        width //= 2
-    return s[..., 0]
+    return halving_tree_32((p[..., 0] + p[..., 1]) + (p[..., 2] + p[..., 3]))
 
 
 def _inv_norm(x: torch.Tensor) -> torch.Tensor:
