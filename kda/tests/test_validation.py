@@ -318,6 +318,13 @@ def _full_args(x: dict) -> tuple:
             x.get("checkpoint_every", 0))
 
 
+def assert_both_refuse(x: dict, exc=(TypeError, ValueError), match: str | None = None) -> None:
+    """The fast check (well_formed) declines the call and the ordered checks (validate) refuse it."""
+    assert validation.well_formed(*_full_args(x)) is None
+    with pytest.raises(exc, match=match):
+        validation.validate(*_full_args(x), concrete=True)
+
+
 def accepted(x: dict, *, usual: bool = True) -> tuple:
     """validate's dims for x, asserting that the tight pass returns the same for a call of the usual kind (it
     leaves the unusual, e.g. an int lower_bound, to the ordered checks)."""
@@ -463,9 +470,7 @@ OPTION_ERRORS = {
 @pytest.mark.parametrize("changes", list(OPTION_ERRORS.values()), ids=list(OPTION_ERRORS))
 def test_well_formed_never_accepts_what_validate_refuses(changes):
     x = {**inputs(), **changes}
-    assert validation.well_formed(*_full_args(x)) is None
-    with pytest.raises((TypeError, ValueError)):
-        validation.validate(*_full_args(x), concrete=True)
+    assert_both_refuse(x)
 
 
 @pytest.mark.parametrize(
@@ -478,9 +483,7 @@ def test_well_formed_never_accepts_what_validate_refuses(changes):
 )  # fmt: skip
 def test_well_formed_never_accepts_key_head_shapes_with_grouped_value_heads(changes):
     x = {**inputs(G=G), **changes}
-    assert validation.well_formed(*_full_args(x)) is None
-    with pytest.raises(ValueError):
-        validation.validate(*_full_args(x), concrete=True)
+    assert_both_refuse(x, ValueError)
 
 
 def test_fake_implementation_checks_the_options():
@@ -1487,16 +1490,12 @@ TOKEN_ERRORS = {
 @pytest.mark.parametrize("changes", list(TOKEN_ERRORS.values()), ids=list(TOKEN_ERRORS))
 def test_well_formed_never_accepts_bad_per_token_arguments(changes):
     x = {**token_inputs(), **changes}
-    assert validation.well_formed(*_full_args(x)) is None
-    with pytest.raises((TypeError, ValueError)):
-        validation.validate(*_full_args(x), concrete=True)
+    assert_both_refuse(x)
 
 
 def test_well_formed_never_accepts_num_accepted_tokens_without_state_indices():
     x = {**inputs(B=2), "num_accepted_tokens": torch.tensor([1, 1])}
-    assert validation.well_formed(*_full_args(x)) is None
-    with pytest.raises(ValueError, match="num_accepted_tokens needs per-token state_indices"):
-        validation.validate(*_full_args(x), concrete=True)
+    assert_both_refuse(x, ValueError, match="num_accepted_tokens needs per-token state_indices")
 
 
 def test_fake_implementation_checks_per_token_arguments():
@@ -1866,9 +1865,7 @@ CHECKPOINT_ERRORS = {
 @pytest.mark.parametrize("changes", list(CHECKPOINT_ERRORS.values()), ids=list(CHECKPOINT_ERRORS))
 def test_well_formed_never_accepts_bad_checkpoint_arguments(changes):
     x = {**checkpoint_inputs(), **changes}
-    assert validation.well_formed(*_full_args(x)) is None
-    with pytest.raises((TypeError, ValueError)):
-        validation.validate(*_full_args(x), concrete=True)
+    assert_both_refuse(x)
 
 
 def test_fake_implementation_checks_checkpoint_arguments():
