@@ -3,16 +3,22 @@
 // flash_kda.numerics.decode_twin_forward re-enacts bit for bit: every fp32 step is an explicitly rounded
 // intrinsic, the products that feed a sum or the state update are single-rounded FMAs (__fmaf_rn, 4 operations
 // per state element and token instead of 6.5: the kernel is bound by them from 4 tokens per sequence on), and
-// every sum over the 128 channels is the lane leaf (device_math.cuh, lane_leaf4) followed by the halving tree over
-// lanes (xor 16, 8, 4, 2, 1).
+// every sum over the 128 channels is 32 leaves of 4 channels (device_math.cuh, lane_leaf4) followed by the halving
+// tree over the leaves (xor 16, 8, 4, 2, 1).
 //
-// Work items: (sequence n, head h, part) owns state rows part*64 .. part*64+63, a contiguous 64 x 128 block; 4 warps
-// of 16 rows. Lane l owns columns 4l..4l+3 of each of its warp's rows: 16 x 4 fp32 state registers. Every warp
-// prepares each token itself (k̂, scale·q̂, α for its 4 channels, β), so warps never wait for each other inside an
-// item. A call moves little more than its states (32-64 KB per head each way), so the kernel is a memory pipeline:
-// persistent CTAs (as many as fit on the GPU) walk the items, and a ring of shared-memory stages holds the initial
-// states of the next items, each brought by one bulk copy, while the current item computes. Rows of different
-// items are disjoint and each item reads its rows before it writes them, so initial_state may be final_state.
+// Work items: (sequence n, head h, part) owns state rows part*64 .. part*64+63, a contiguous 64 x 128 block; 2 warps
+// of 32 rows. In a warp, lane 4g + a owns rows g, g + 8, g + 16, g + 24 and, in each of them, the leaves j = 4m + a
+// (m = 0..7; leaf j is columns 4j..4j+3): 4 x 32 fp32 state registers, twice v21's, so that each warp's token
+// preparation is spread over twice the state. The halving tree pairs leaves j ^ 16, j ^ 8, j ^ 4 inside a lane and
+// j ^ 2, j ^ 1 between the group's 4 lanes. Register slot k of group g holds leaf m = k ^ g: the tree pairs the
+// same leaves (XOR commutes with the pairing), and the 8 groups of a warp read 8 different 32-byte pieces of a
+// stage row at once (no bank conflicts). Every warp prepares each token itself (lane l: k̂, scale·q̂, α for channels
+// 4l..4l+3, as in the chunked plans) at the end of the token before it, and hands it to its lanes through one of
+// two shared-memory buffers, so warps never wait for each other inside an item. A call moves little more than its
+// states (32-64 KB per head each way), so the kernel is a memory pipeline: persistent CTAs (as many as fit on the GPU)
+// walk the items, and a ring of shared-memory stages holds the initial states of the next items, each brought by one
+// bulk copy, while the current item computes. Rows of different items are disjoint and each item reads its rows before
+// it writes them, so initial_state may be final_state.
 // The call's input checks (input_checks.cuh) run here too: the decode plan launches this kernel alone.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -33,20 +39,33 @@
 namespace kda {
 namespace {
 
-constexpr int kDecodeWarps = 4;
+constexpr int kDecodeWarps = 2;
 constexpr int kDecodeThreads = kDecodeWarps * 32;
-constexpr int kDecodeRowsPerWarp = 16;
+constexpr int kDecodeRowsPerWarp = 32;
 constexpr int kDecodeRows = kDecodeWarps * kDecodeRowsPerWarp;  // state rows per CTA
 constexpr int kDecodeParts = kHeadDim / kDecodeRows;               // CTAs per (sequence, head)
 static_assert(kDecodeParts * kDecodeRows == kHeadDim, "the items of a head cover its 128 rows");
 constexpr int kDecodeItemElems = kDecodeRows * kHeadDim;  // one item's state block
+constexpr int kLaneRows = 4;    // rows per lane: g + 8r
+constexpr int kLaneLeaves = 8;  // leaves per lane and row: j = 4m + a
+constexpr int kRowGroups = 8;   // g = lane / 4
 
-// Ring stages per CTA and CTAs per SM: 3 x 16 KB for a bf16 state, 2 x 32 KB for an fp32 one (192 KB per SM).
+// One token as every lane of a warp needs it, written by the lanes that prepared it (channel c at index c).
+struct PreparedToken {
+  float alpha[kHeadDim];
+  float k_hat[kHeadDim];
+  float q_tilde[kHeadDim];
+};
+
+// Ring stages per CTA: 3 x 16 KB for a bf16 state, 2 x 32 KB for an fp32 one, then each warp's two prepared tokens
+// (6 KB): 4 CTAs per SM with a bf16 state (as many as the registers allow), 3 with an fp32 one.
 template <typename InitT>
 struct DecodeRing {
   static constexpr int kStages = sizeof(InitT) == 2 ? 3 : 2;
   static constexpr int kStageBytes = kDecodeItemElems * static_cast<int>(sizeof(InitT));
-  static constexpr int kSmemBytes = kStages * kStageBytes + kStages * static_cast<int>(sizeof(uint64_t));
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kPreparedBytes = kDecodeWarps * 2 * static_cast<int>(sizeof(PreparedToken));
+  static constexpr int kSmemBytes = kRingBytes + kPreparedBytes + kStages * static_cast<int>(sizeof(uint64_t));
 };
 
 // Item i: part = i % 2, head = (i / 2) % H, sequence = i / (2H) (a dense state's items are in memory order).
@@ -104,7 +123,28 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// One token's raw inputs as this lane reads them: its 4 channels of q, k and g, β's logit and v of row lane / 2.
+// The in-lane part of the halving tree over one row's 8 leaves (leaf index bits 4, 3, 2 are m's bits 2, 1, 0).
+__device__ __forceinline__ float lane_tree_8(const float (&x)[kLaneLeaves]) {
+  const float a0 = __fadd_rn(x[0], x[4]), a1 = __fadd_rn(x[1], x[5]), a2 = __fadd_rn(x[2], x[6]),
+              a3 = __fadd_rn(x[3], x[7]);
+  return __fadd_rn(__fadd_rn(a0, a2), __fadd_rn(a1, a3));
+}
+
+// The group part of the halving tree for the lane's 4 rows (leaf index bits 1, 0 are the lane bits 1, 0), as a
+// reduce-scatter: lane 4g + a ends with the sum of its row g + 8a.
+__device__ __forceinline__ float group_reduce_scatter_4(const float (&x)[kLaneRows], int lane) {
+  const bool upper2 = (lane & 2) != 0, upper1 = (lane & 1) != 0;
+  float y[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float keep = upper2 ? x[i + 2] : x[i], send = upper2 ? x[i] : x[i + 2];
+    y[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 2));
+  }
+  const float keep = upper1 ? y[1] : y[0], send = upper1 ? y[0] : y[1];
+  return __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 1));
+}
+
+// One token's raw inputs as this lane reads them: its 4 channels of q, k and g, β's logit and v of its sum's row.
 struct RawToken {
   uint2 q, k, g;
   __nv_bfloat16 beta, v;
@@ -121,20 +161,56 @@ __device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, in
   return r;
 }
 
-// kCheckpoints: the call asks for checkpoints (a separate instantiation: the kernel runs at its register limit, and
-// calls without them keep their machine code).
+// One token's preparation as lane l computes it: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale and α = 2^γ for channels
+// 4l..4l+3 (the chunked plans' instructions, gate.cuh), β, and v of the row whose sums the lane ends with.
+struct LanePrep {
+  float alpha[4], k_hat[4], q_tilde[4];
+  float beta, v;
+};
+template <GateKind kGate>
+__device__ __forceinline__ LanePrep prepare_token(const FwdParams& p, const HeadGate& hg, const RawToken& raw) {
+  LanePrep lp;
+  float gf[4];
+  prep::unpack4(raw.k, lp.k_hat);
+  prep::unpack4(raw.q, lp.q_tilde);
+  prep::unpack4(raw.g, gf);
+  const float inv_k = prep::inv_norm(warp_sum(prep::sum_squares_4(lp.k_hat)));
+  const float inv_q = prep::inv_norm(warp_sum(prep::sum_squares_4(lp.q_tilde)));
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    lp.k_hat[c] = __fmul_rn(lp.k_hat[c], inv_k);
+    lp.q_tilde[c] = __fmul_rn(__fmul_rn(lp.q_tilde[c], inv_q), p.scale);
+    lp.alpha[c] = ex2_approx(gate_log2<kGate>(hg, c, gf[c]));
+  }
+  lp.beta = beta_of(p, bf16_to_float(raw.beta));
+  lp.v = bf16_to_float(raw.v);
+  return lp;
+}
+__device__ __forceinline__ void publish(PreparedToken& tok, int ch0, const LanePrep& lp) {
+  store4(tok.alpha + ch0, lp.alpha);
+  store4(tok.k_hat + ch0, lp.k_hat);
+  store4(tok.q_tilde + ch0, lp.q_tilde);
+}
+
+// kCheckpoints: the call asks for checkpoints (a separate instantiation: the kernel runs near its register limit,
+// and calls without them keep their machine code).
 template <typename InitT, typename FinalT, GateKind kGate, bool kCheckpoints>
 __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const FwdParams p) {
   using Ring = DecodeRing<InitT>;
   extern __shared__ __align__(128) unsigned char smem[];
   InitT* ring = reinterpret_cast<InitT*>(smem);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ring::kStages * Ring::kStageBytes);
+  PreparedToken* prepared = reinterpret_cast<PreparedToken*>(smem + Ring::kRingBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ring::kRingBytes + Ring::kPreparedBytes);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int ch0 = prep::kChannelsPerLane * lane;
-  const int my_row = lane >> 1;  // the row whose sums this lane ends with (reduce_scatter_16)
+  const int ch0 = prep::kChannelsPerLane * lane;  // the channels this lane prepares
+  const int group = lane >> 2, quarter = lane & 3;
+  const int my_row = group + kRowGroups * quarter;  // the row whose sums this lane ends with (group_reduce_scatter_4)
   const int warp_row0 = warp * kDecodeRowsPerWarp;  // this warp's first row within the item's 64
+  PreparedToken* my_prepared = prepared + 2 * warp;  // this warp's two buffers (tokens alternate)
   const int64_t items = p.num_seqs * p.heads * kDecodeParts;
+  // Register slot k of this lane holds leaf m = k ^ group of its rows: columns col(k) .. col(k) + 3.
+  auto col = [&](int k) { return 16 * (k ^ group) + 4 * quarter; };
 
   const int64_t last_check = last_check_item<kCheckpoints>(p);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kDecodeThreads + threadIdx.x; i <= last_check;
@@ -153,6 +229,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
     }
   }
 
+  // The lane's rows are warp_row0 + group + 8r of the item.
+  auto store_rows = [&](FinalT* item_dst, const float (&s)[kLaneRows][kLaneLeaves][4]) {
+    FinalT* dst = item_dst + (warp_row0 + group) * kHeadDim;
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+      for (int k = 0; k < kLaneLeaves; ++k) store4(dst + kRowGroups * r * kHeadDim + col(k), s[r][k]);
+    }
+  };
+
   int st = 0;
   uint32_t parity = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
@@ -170,17 +256,23 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
     const HeadGate hg = head_gate(p, h, ch0);
 
     // The state rows, fp32 (a bf16 state widened exactly), or zeros; then the stage is free for a later item.
-    float s[kDecodeRowsPerWarp][4];
+    float s[kLaneRows][kLaneLeaves][4];
     mbarrier_wait_parity_warp(&full[st], parity);
     if (p.initial_state != nullptr && slot >= 0) {
-      const InitT* src = ring + st * kDecodeItemElems + warp_row0 * kHeadDim + ch0;
+      const InitT* src = ring + st * kDecodeItemElems + (warp_row0 + group) * kHeadDim;
 #pragma unroll
-      for (int i = 0; i < kDecodeRowsPerWarp; ++i) load4(src + i * kHeadDim, s[i]);
+      for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+        for (int k = 0; k < kLaneLeaves; ++k) load4(src + kRowGroups * r * kHeadDim + col(k), s[r][k]);
+      }
     } else {
 #pragma unroll
-      for (int i = 0; i < kDecodeRowsPerWarp; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+        for (int k = 0; k < kLaneLeaves; ++k) s[r][k][0] = s[r][k][1] = s[r][k][2] = s[r][k][3] = 0.f;
+      }
     }
-    __syncthreads();  // every warp has its rows: the stage may be refilled
+    __syncthreads();  // every warp has its rows (and has read its last prepared token): the stage may be refilled
     if (threadIdx.x == 0) {
       const int64_t refill = item + static_cast<int64_t>(Ring::kStages) * gridDim.x;
       if (refill < items) start_state_load(p, refill, ring + st * kDecodeItemElems, &full[st]);
@@ -189,71 +281,85 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
     // The per-token pass of a chunked plan stops after the tokens whose states it writes.
     const int64_t end = p.states_only && b.eos - b.bos > p.state_tokens ? b.bos + p.state_tokens : b.eos;
+    // The first token's preparation; each later one is prepared at the end of the token before it.
+    LanePrep ahead = prepare_token<kGate>(p, hg, next);
+    if (b.bos + 1 < end) next = load_token(p, b.bos + 1, h, hk, ch0, row0 + my_row);
+    publish(my_prepared[0], ch0, ahead);
+    __syncwarp();
+    int buf = 0;
     for (int64_t t = b.bos; t < end; ++t) {
-      const RawToken cur = next;
-      if (t + 1 < end) next = load_token(p, t + 1, h, hk, ch0, row0 + my_row);  // in flight during this token
+      const PreparedToken& tok = my_prepared[buf];
+      const float beta = ahead.beta, v_in = ahead.v;
+      const RawToken raw = next;  // token t + 1
+      if (t + 2 < end) next = load_token(p, t + 2, h, hk, ch0, row0 + my_row);  // in flight during two tokens
 
-      // The token's preparation: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale, α = 2^γ, β (gate.cuh).
-      float kh[4], qt[4], alpha[4], gf[4];
-      prep::unpack4(cur.k, kh);
-      prep::unpack4(cur.q, qt);
-      prep::unpack4(cur.g, gf);
-      const float inv_k = prep::inv_norm(warp_sum(prep::sum_squares_4(kh)));
-      const float inv_q = prep::inv_norm(warp_sum(prep::sum_squares_4(qt)));
+      // Decay, then r = v − S·k̂ per row (the lane's 4 rows, one reduce-scatter in its group), u = β·r.
+      float leaves[kLaneRows][kLaneLeaves];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        kh[c] = __fmul_rn(kh[c], inv_k);
-        qt[c] = __fmul_rn(__fmul_rn(qt[c], inv_q), p.scale);
-        alpha[c] = ex2_approx(gate_log2<kGate>(hg, c, gf[c]));
+      for (int k = 0; k < kLaneLeaves; ++k) {
+        float alpha[4], kh[4];
+        load4(tok.alpha + col(k), alpha);
+        load4(tok.k_hat + col(k), kh);
+#pragma unroll
+        for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[r][k][c] = __fmul_rn(s[r][k][c], alpha[c]);
+          leaves[r][k] = lane_leaf4(s[r][k], kh);
+        }
       }
-      const float beta = beta_of(p, bf16_to_float(cur.beta));
 
-      // Decay, then r = v − S·k̂ per row (16 sums in one reduce-scatter), u = β·r on lanes 2i, 2i + 1.
-      float part[kDecodeRowsPerWarp];
+      float sums[kLaneRows];
 #pragma unroll
-      for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
+      for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_8(leaves[r]);
+      const float u_mine = __fmul_rn(beta, __fsub_rn(v_in, group_reduce_scatter_4(sums, lane)));
+      float u[kLaneRows];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s[i][c] = __fmul_rn(s[i][c], alpha[c]);
-        part[i] = lane_leaf4(s[i], kh);
-      }
-      const float u_mine = __fmul_rn(beta, __fsub_rn(bf16_to_float(cur.v), reduce_scatter_16(part, lane)));
+      for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_sync(0xffffffffu, u_mine, 4 * group + r);
 
-      // S += u·k̂ᵀ, u of row i from lane 2i; then the output partials o = S·q̃.
+      // S += u·k̂ᵀ; then the output partials o = S·q̃.
 #pragma unroll
-      for (int i = 0; i < kDecodeRowsPerWarp; ++i) {
-        const float u = __shfl_sync(0xffffffffu, u_mine, 2 * i);
+      for (int k = 0; k < kLaneLeaves; ++k) {
+        float kh[4], qt[4];
+        load4(tok.k_hat + col(k), kh);
+        load4(tok.q_tilde + col(k), qt);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s[i][c] = __fmaf_rn(u, kh[c], s[i][c]);
-        part[i] = lane_leaf4(s[i], qt);
+        for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[r][k][c] = __fmaf_rn(u[r], kh[c], s[r][k][c]);
+          leaves[r][k] = lane_leaf4(s[r][k], qt);
+        }
       }
-      const float o = reduce_scatter_16(part, lane);
-      if ((lane & 1) == 0 && !p.states_only) {
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_8(leaves[r]);
+      const float o = group_reduce_scatter_4(sums, lane);
+      if (!p.states_only) {
         static_cast<__nv_bfloat16*>(p.out)[(t * p.heads + h) * kHeadDim + row0 + my_row] = __float2bfloat16_rn(o);
       }
+      // The next token's preparation into the other buffer: every lane read that one for the previous token
+      // before the __syncwarp that ended it, and this one's __syncwarp makes the next token visible to all lanes.
+      if (t + 1 < end) {
+        ahead = prepare_token<kGate>(p, hg, raw);
+        publish(my_prepared[buf ^ 1], ch0, ahead);
+        __syncwarp();
+        buf ^= 1;
+      }
+
       // Per-token states: the state after this token into its slot (state_slots.cuh, token_slot).
       if (p.state_tokens > 0 && p.final_state != nullptr) {
         const int64_t ts = token_slot(p, it.n, t - b.bos);
-        if (ts >= 0) {
-          FinalT* dst = static_cast<FinalT*>(p.final_state) + item_offset(p, ts, it) + warp_row0 * kHeadDim + ch0;
-#pragma unroll
-          for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
-        }
+        if (ts >= 0) store_rows(static_cast<FinalT*>(p.final_state) + item_offset(p, ts, it), s);
       }
       // Checkpoints: the state after every C tokens into its checkpoint slot (state_slots.cuh, checkpoint_slot).
       if (kCheckpoints && ((t - b.bos + 1) & (kChunk - 1)) == 0) {
         const int64_t cs = checkpoint_slot(p, it.n, (t - b.bos + 1) / kChunk);
         if (cs >= 0 && p.final_state != nullptr) {
-          FinalT* dst = static_cast<FinalT*>(p.final_state) + item_offset(p, cs, it) + warp_row0 * kHeadDim + ch0;
-#pragma unroll
-          for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
+          store_rows(static_cast<FinalT*>(p.final_state) + item_offset(p, cs, it), s);
         }
       }
     }
 
     if (p.final_state != nullptr && slot >= 0 && p.state_tokens == 0) {
-      FinalT* dst = static_cast<FinalT*>(p.final_state) + item_offset(p, slot, it) + warp_row0 * kHeadDim + ch0;
-#pragma unroll
-      for (int i = 0; i < kDecodeRowsPerWarp; ++i) store4(dst + i * kHeadDim, s[i]);
+      store_rows(static_cast<FinalT*>(p.final_state) + item_offset(p, slot, it), s);
     }
   }
 }

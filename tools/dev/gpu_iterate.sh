@@ -8,9 +8,10 @@
 #   KDA_TESTS      bazel test arguments  (default: //kda/tests:all --test_tag_filters=-long_context,-sanitizer)
 #   KDA_BENCH      bench_fwd arguments   (default: --peers=moonshot)
 #   KDA_PROFILE    profile_kernels arguments (default: --cases=0,2,3,7 --iters=5)
-#   KDA_VARIANT    PATH=FILE: after the benchmark, rebuild with the tree's PATH replaced by FILE (e.g.
-#                  kda/csrc/decode.cu=/tmp/decode_v20.cu), run the same benchmark on it (bench_variant.*), then
-#                  put PATH back (bazel-bin keeps the variant's build): two kernels measured on one machine
+#   KDA_VARIANT    PATH=FILE[,PATH=FILE...]: after the benchmark, rebuild with the tree's PATH replaced by FILE
+#                  (e.g. kda/csrc/decode.cu=/tmp/decode_v20.cu), run the same benchmark on it (bench_variantN.*),
+#                  then put PATH back (bazel-bin keeps the last variant's build): several kernels measured on one
+#                  machine; the summary shows each variant's CUDA-graph table
 #   KDA_PEERS=1    build the peers first (bash .peers/build_peers.sh: a git-ignored script that installs
 #                  them into /tmp/peers-site, docs/PERFORMANCE.md "Reproducing it") in the background
 #   TRITON_CACHE_DIR  fla's Triton/autotuning cache (default /tmp/kda-triton-cache). fla autotunes 70-100 s per
@@ -83,23 +84,26 @@ if [[ -n "${bench}" ]]; then
   echo "bench exit status $?" >> "${out}/bench.log"
 fi
 
-variant="${KDA_VARIANT:-}"
-if [[ -n "${variant}" && -n "${bench}" ]]; then
+variants="${KDA_VARIANT:-}"
+vi=0
+for variant in ${variants//,/ }; do
+  [[ -n "${bench}" ]] || break
+  vi=$((vi + 1))
   target="${variant%%=*}"
   other="${variant#*=}"
   cp "${target}" "${out}/variant_original"
   cp "${other}" "${target}"
-  stamp "variant: ${target} from ${other}: build and bench_fwd ${bench}"
-  if "${bazel}" build --config=ptxas //kda:py //kda/bench:all > "${out}/variant_build.log" 2>&1; then
+  stamp "variant ${vi}: ${target} from ${other}: build and bench_fwd ${bench}"
+  if "${bazel}" build --config=ptxas //kda:py //kda/bench:all > "${out}/variant${vi}_build.log" 2>&1; then
     # shellcheck disable=SC2086
-    "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant.json" \
-      --markdown="${out}/bench_variant.md" > "${out}/bench_variant.log" 2>&1
-    echo "bench exit status $?" >> "${out}/bench_variant.log"
+    "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant${vi}.json" \
+      --markdown="${out}/bench_variant${vi}.md" > "${out}/bench_variant${vi}.log" 2>&1
+    echo "bench exit status $?" >> "${out}/bench_variant${vi}.log"
   else
-    tail -20 "${out}/variant_build.log"
+    tail -20 "${out}/variant${vi}_build.log"
   fi
   cp "${out}/variant_original" "${target}"
-fi
+done
 
 if [[ -n "${KDA_SAVE_TRITON_CACHE:-}" && -d "${TRITON_CACHE_DIR}" ]]; then
   mkdir -p "${KDA_SAVE_TRITON_CACHE}"
@@ -129,6 +133,11 @@ if [[ -n "${tests}" ]]; then
     bazel-testlogs/kda/tests/*/test.log bazel-testlogs/kda/tests/*/shard_*/test.log 2>/dev/null | cut -c1-220 | head -60
 fi
 [[ -f "${out}/bench.log" ]] && { sed -n '/^## Speed/,$p' "${out}/bench.log"; tail -3 "${out}/bench.log"; }
-[[ -f "${out}/bench_variant.log" ]] && { echo "---- variant ${variant}"; sed -n '/^## Speed/,$p' "${out}/bench_variant.log"; }
+vi=0
+for variant in ${variants//,/ }; do
+  vi=$((vi + 1))
+  [[ -f "${out}/bench_variant${vi}.log" ]] &&
+    { echo "---- variant ${vi}: ${variant}"; sed -n '/^## Decode rows replayed/,/^$/p' "${out}/bench_variant${vi}.log"; }
+done
 [[ -f "${out}/profile.log" ]] && grep "^|" "${out}/profile.log"
 exit "${test_rc}"
