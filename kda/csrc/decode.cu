@@ -123,7 +123,8 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// The in-lane part of the halving tree over one row's 8 leaves (leaf index bits 4, 3, 2 are m's bits 2, 1, 0).
+// The in-lane part of the halving tree over one row's 8 leaves. x[k] is leaf 4m + a with m = k ^ g, so the leaf
+// index bits 4, 3, 2 are m's bits 2, 1, 0, and slots k, k ^ 4 (then ^ 2, ^ 1) hold the tree's pairs of leaves.
 __device__ __forceinline__ float lane_tree_8(const float (&x)[kLaneLeaves]) {
   const float a0 = __fadd_rn(x[0], x[4]), a1 = __fadd_rn(x[1], x[5]), a2 = __fadd_rn(x[2], x[6]),
               a3 = __fadd_rn(x[3], x[7]);

@@ -130,7 +130,8 @@ def lane_leaves_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def halving_tree_32(leaves: torch.Tensor) -> torch.Tensor:
     """Σ of 32 lane leaves (last dim) by the halving tree s[:16]+s[16:32], s[:8]+s[8:16], ... (the xor butterfly
-    over lanes 16, 8, 4, 2, 1)."""
+    over lanes 16, 8, 4, 2, 1 with one leaf per lane; the decode kernel, whose lanes hold 8 leaves of a row, adds
+    the same pairs, the first three levels inside a lane)."""
     width = 16
     while width >= 1:
         leaves = leaves[..., :width] + leaves[..., width : 2 * width]
