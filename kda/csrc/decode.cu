@@ -116,11 +116,15 @@ __device__ __forceinline__ void store4(__nv_bfloat16* dst, const float (&x)[4]) 
   *reinterpret_cast<uint2*>(dst) = raw;
 }
 
-// The whole-warp sum of one leaf per lane (the halving tree, as an xor butterfly: every lane gets it).
-__device__ __forceinline__ float warp_sum(float x) {
+// Two whole-warp sums of one leaf per lane each (the halving tree, as an xor butterfly: every lane gets both),
+// level by level together, so that the two shuffle chains overlap instead of following each other.
+__device__ __forceinline__ void warp_sum_2(float& x, float& y) {
 #pragma unroll
-  for (int offset = 16; offset >= 1; offset >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
+  for (int offset = 16; offset >= 1; offset >>= 1) {
+    const float x_other = __shfl_xor_sync(0xffffffffu, x, offset), y_other = __shfl_xor_sync(0xffffffffu, y, offset);
+    x = __fadd_rn(x, x_other);
+    y = __fadd_rn(y, y_other);
+  }
 }
 
 // The in-lane part of the halving tree over one row's 8 leaves. x[k] is leaf 4m + a with m = k ^ g, so the leaf
@@ -175,8 +179,9 @@ __device__ __forceinline__ LanePrep prepare_token(const FwdParams& p, const Head
   prep::unpack4(raw.k, lp.k_hat);
   prep::unpack4(raw.q, lp.q_tilde);
   prep::unpack4(raw.g, gf);
-  const float inv_k = prep::inv_norm(warp_sum(prep::sum_squares_4(lp.k_hat)));
-  const float inv_q = prep::inv_norm(warp_sum(prep::sum_squares_4(lp.q_tilde)));
+  float sum_k = prep::sum_squares_4(lp.k_hat), sum_q = prep::sum_squares_4(lp.q_tilde);
+  warp_sum_2(sum_k, sum_q);
+  const float inv_k = prep::inv_norm(sum_k), inv_q = prep::inv_norm(sum_q);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     lp.k_hat[c] = __fmul_rn(lp.k_hat[c], inv_k);
