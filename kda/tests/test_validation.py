@@ -486,6 +486,47 @@ def test_well_formed_never_accepts_key_head_shapes_with_grouped_value_heads(chan
     assert_both_refuse(x, ValueError)
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "out", "A_log", "dt_bias", "initial_state", "final_state"])
+def test_an_argument_that_requires_grad_is_refused_under_grad_mode(name):
+    """fwd has no backward: under grad mode a tensor that requires grad would get no gradient (or, written in
+    place, leave autograd unaware), so the call is refused by name, before anything is written."""
+    x = inputs()
+    x[name] = x[name].detach().requires_grad_()
+    out_bits = x["out"].detach().view(torch.int16).clone()  # (bits: the buffer is uninitialised)
+    with pytest.raises(RuntimeError, match=rf"flash_kda.fwd has no backward, got {name}.requires_grad=True"):
+        flash_kda.fwd(**x)
+    assert torch.equal(x["out"].detach().view(torch.int16), out_bits)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_arguments_that_require_grad_run_without_grad_mode(mode):
+    """Model parameters (A_log, dt_bias as nn.Parameter) under no_grad / inference_mode: the usual inference call."""
+    x = inputs()
+    expected = inputs()
+    flash_kda.fwd(**expected)
+    x["A_log"] = torch.nn.Parameter(x["A_log"])
+    x["dt_bias"] = torch.nn.Parameter(x["dt_bias"])
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        flash_kda.fwd(**x)
+    assert torch.equal(x["out"], expected["out"])
+    assert torch.equal(x["final_state"], expected["final_state"])
+
+
+def test_fake_implementation_refuses_an_argument_that_requires_grad():
+    """Traced (torch.compile's fake tensors), the operator refuses it with fwd's message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_kda import ops
+
+    x = inputs()
+    x["A_log"] = torch.nn.Parameter(x["A_log"])
+    with FakeTensorMode() as mode:
+        fake = {n: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+        assert fake["A_log"].requires_grad
+        with pytest.raises(RuntimeError, match="flash_kda.fwd has no backward, got A_log.requires_grad=True"):
+            ops._fwd_fake(*_full_args(fake))
+
+
 def test_fake_implementation_checks_the_options():
     """The operator's fake implementation refuses a bad gate and a bad value-head count with fwd's messages."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -74,7 +74,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
     K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
     bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
-    Only ``out`` and ``final_state`` are written. Returns None.
+    Only ``out`` and ``final_state`` are written. Returns None. There is no backward: with grad mode on
+    (``torch.is_grad_enabled()``), a tensor argument that requires grad raises RuntimeError naming it (it would get
+    no gradient); model parameters are fine under ``torch.no_grad()`` or ``torch.inference_mode()``.
 
     Pooled states (``state_indices``, as serving engines keep them): the state tensors are pools [P, HV, V, K]
     (P >= 1, independent of N; both of one P when both are given) and sequence n starts from slot

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["validate", "well_formed", "check_cu_seqlens", "check_state_indices", "check_num_accepted_tokens",
+__all__ = ["validate", "well_formed", "check_no_grad", "check_cu_seqlens", "check_state_indices", "check_num_accepted_tokens",
            "check_checkpoint_indices", "sequence_lengths", "check_arch", "device_capability",
            "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM", "LOWER_BOUND_RANGE",
            "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
@@ -45,7 +45,7 @@ CHECK_CU_SEQLENS_ENV = "FLASH_KDA_CHECK_CU_SEQLENS"
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
              workspace, state_indices=None, gate="lower_bound", allow_neg_eigval=False, num_accepted_tokens=None,
              checkpoint_indices=None, checkpoint_every=0, *, concrete: bool) -> tuple[int, int, int, int, int]:
-    """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values); returns
+    """Checks every argument of ``fwd`` (arch -> dtype -> device -> layout -> shape -> values -> grad); returns
     (B, T, HV, N, H): batch, tokens, value heads (the heads of v, out, the states and the kernels' grid),
     sequences, and the key heads of q and k (HV = G·H, value head hv reads key head hv // G).
 
@@ -55,6 +55,19 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     ``check_state_indices``, ``check_num_accepted_tokens`` and ``check_checkpoint_indices`` where they are on the
     host.
     """
+    dims = _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
+                           checkpoint_indices, checkpoint_every, concrete)
+    if torch.is_grad_enabled():  # (inference_mode and no_grad: False, one call)
+        check_no_grad(q=q, k=k, v=v, g=g, beta=beta, out=out, A_log=A_log, dt_bias=dt_bias,
+                      initial_state=initial_state, final_state=final_state)
+    return dims
+
+
+def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                    cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
+                    checkpoint_indices, checkpoint_every, concrete: bool) -> tuple[int, int, int, int, int]:
+    """validate's checks of the arguments themselves, in its order (then validate checks grad mode)."""
     if concrete:
         dims = well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                            cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
@@ -279,6 +292,19 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
                          f"chunk boundaries), got {checkpoint_every=} with checkpoint_indices given")
 
     return B, T, HV, N, H
+
+
+def check_no_grad(**tensors) -> None:
+    """Refuses a tensor that requires grad while grad mode is on: fwd writes ``out`` and ``final_state`` in place
+    and has no backward, so such an input would get no gradient and a leaf written in place would leave autograd
+    unaware (PyTorch's own out= operators refuse the same)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(
+                f"flash_kda.fwd has no backward, got {name}.requires_grad=True with grad mode on "
+                f"(torch.is_grad_enabled()): {name} would get no gradient; call fwd under torch.no_grad() or "
+                f"torch.inference_mode(), or pass {name}.detach()"
+            )
 
 
 def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
