@@ -944,6 +944,14 @@ def test_reserve_workspace_refuses_cpu_and_negative():
         flash_kda.reserve_workspace(16, "cpu")
 
 
+@pytest.mark.parametrize("nbytes", [torch.zeros(2), 16.0, True, "16"], ids=["tensor", "float", "bool", "str"])
+def test_reserve_workspace_refuses_a_size_that_is_not_an_int(nbytes):
+    """By type only: a tensor passed in place of its byte count is named by its type, not printed."""
+    with pytest.raises(TypeError, match=rf"nbytes must be a non-negative int \(e.g. workspace_bytes\(v, cu_seqlens\)\), "
+                                        rf"got {type(nbytes).__name__}$"):
+        flash_kda.reserve_workspace(nbytes, "cpu")
+
+
 def test_last_error_before_any_cuda_call_is_none_without_cuda():
     """A query before any CUDA call (the CPU path's users, machines without CUDA) has nothing to report: None, and
     CUDA stays uninitialised. In a fresh process, since this one may have made CUDA calls."""

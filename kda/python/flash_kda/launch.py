@@ -443,7 +443,11 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
     Call before CUDA graph capture with the largest ``workspace_bytes(v, cu_seqlens, gate=gate)`` the graph will
     see, so that ``fwd`` allocates nothing while capturing (or pass ``workspace=`` to ``fwd`` instead).
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        # (the type only: a tensor passed by mistake would print its contents)
+        raise TypeError(f"nbytes must be a non-negative int (e.g. workspace_bytes(v, cu_seqlens)), got "
+                        f"{type(nbytes).__name__}")
+    if nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes=}")
     index = _ext.cuda_index(_ext.cuda_device(device, "reserve_workspace"), "reserve_workspace")
     _status_word(index)  # the error word too, so that capture allocates nothing
