@@ -75,6 +75,7 @@ from flash_kda.validation import (
     STATE_INDEX_DTYPES,
     device_capability,
     first_overlap,
+    first_requiring_grad,
 )
 
 __all__ = ["register", "unsupported", "chunk_unsupported", "fused_recurrent_kda_fwd", "chunk_kda", "BACKEND_TYPE",
@@ -247,9 +248,9 @@ def _tensors_problem(tensors: dict, host_ok: tuple[str, ...]) -> str | None:
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a tensor, got {type(t).__name__}"
     if torch.is_grad_enabled():
-        for name, t in given.items():
-            if t.requires_grad:
-                return f"{name} requires grad (flash_kda.fwd has no backward)"
+        name = first_requiring_grad(given)
+        if name is not None:
+            return f"{name} requires grad (flash_kda.fwd has no backward)"
 
     # --- device: the kernel's (the index tensors may also be on the CPU: flash_kda.fwd copies them)
     device = given["q"].device

@@ -14,10 +14,10 @@ import os
 
 import torch
 
-__all__ = ["validate", "well_formed", "check_no_grad", "check_cu_seqlens", "check_state_indices", "check_num_accepted_tokens",
-           "check_checkpoint_indices", "sequence_lengths", "check_arch", "device_capability",
-           "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM", "LOWER_BOUND_RANGE",
-           "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
+__all__ = ["validate", "well_formed", "first_requiring_grad", "check_cu_seqlens", "check_state_indices",
+           "check_num_accepted_tokens", "check_checkpoint_indices", "sequence_lengths", "check_arch",
+           "device_capability", "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM",
+           "LOWER_BOUND_RANGE", "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
 
 HEAD_DIM = 128  # K = V = 128: the only head size the kernel is built for.
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # the kernel's chunk size keeps 2^{±G} in range only for lower_bound >= -5.
@@ -59,8 +59,16 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
                            cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
                            checkpoint_indices, checkpoint_every, concrete)
     if torch.is_grad_enabled():  # (inference_mode and no_grad: False, one call)
-        check_no_grad(q=q, k=k, v=v, g=g, beta=beta, out=out, A_log=A_log, dt_bias=dt_bias,
-                      initial_state=initial_state, final_state=final_state)
+        name = first_requiring_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log,
+                                     "dt_bias": dt_bias, "initial_state": initial_state, "final_state": final_state})
+        if name is not None:
+            # fwd writes out and final_state in place and has no backward: the tensor would get no gradient, and a
+            # leaf written in place would leave autograd unaware (PyTorch's own out= operators refuse the same).
+            raise RuntimeError(
+                f"flash_kda.fwd has no backward, got {name}.requires_grad=True with grad mode on "
+                f"(torch.is_grad_enabled()): {name} would get no gradient; call fwd under torch.no_grad() or "
+                f"torch.inference_mode(), or pass {name}.detach()"
+            )
     return dims
 
 
@@ -294,17 +302,14 @@ def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, i
     return B, T, HV, N, H
 
 
-def check_no_grad(**tensors) -> None:
-    """Refuses a tensor that requires grad while grad mode is on: fwd writes ``out`` and ``final_state`` in place
-    and has no backward, so such an input would get no gradient and a leaf written in place would leave autograd
-    unaware (PyTorch's own out= operators refuse the same)."""
+def first_requiring_grad(tensors: dict) -> str | None:
+    """The name of the first tensor among ``tensors`` (name -> tensor, None or anything else) that requires grad,
+    or None. With grad mode on, such a call cannot go through fwd, which has no backward: validate refuses it, and
+    fla_backend's verifiers leave it to fla's kernels."""
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise RuntimeError(
-                f"flash_kda.fwd has no backward, got {name}.requires_grad=True with grad mode on "
-                f"(torch.is_grad_enabled()): {name} would get no gradient; call fwd under torch.no_grad() or "
-                f"torch.inference_mode(), or pass {name}.detach()"
-            )
+            return name
+    return None
 
 
 def well_formed(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
