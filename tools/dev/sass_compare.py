@@ -28,7 +28,7 @@ import subprocess
 import sys
 
 _FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
-_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;?\s*/\*")
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;?\s*/\*")
 
 
 def objects(paths: list[str]) -> list[pathlib.Path]:
@@ -39,15 +39,14 @@ def objects(paths: list[str]) -> list[pathlib.Path]:
     return found
 
 
-def kernels(cuobjdump: str, cxxfilt: str, paths: list[pathlib.Path]) -> tuple[dict[str, list[str]], list[str]]:
-    """Kernel identity -> its SASS instructions (text only) over the objects `paths`, and the identities that occur
-    more than once."""
-    code: dict[str, list[str]] = {}
-    duplicates = []
+def listings(cuobjdump: str, cxxfilt: str, paths: list[pathlib.Path]) -> list[tuple[str, list[tuple[int, str]]]]:
+    """Every kernel of the objects `paths` in order, as (identity, its SASS instructions as (address, text)); the
+    identity is the demangled name without "(anonymous namespace)::" (tools/dev/sass_loops.py reads these too)."""
+    found = []
     for path in paths:
         listing = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True).stdout
         mangled: list[str] = []
-        bodies: list[list[str]] = []
+        bodies: list[list[tuple[int, str]]] = []
         for line in listing.splitlines():
             function = _FUNCTION.match(line)
             if function:
@@ -56,16 +55,24 @@ def kernels(cuobjdump: str, cxxfilt: str, paths: list[pathlib.Path]) -> tuple[di
                 continue
             instruction = _INSTRUCTION.match(line)
             if instruction and bodies:
-                bodies[-1].append(instruction.group(1))
+                bodies[-1].append((int(instruction.group(1), 16), instruction.group(2)))
         if not mangled:
             continue
         names = subprocess.run([cxxfilt], input="\n".join(mangled) + "\n", check=True, capture_output=True,
                                text=True).stdout.splitlines()
-        for name, body in zip(names, bodies):
-            name = name.replace("(anonymous namespace)::", "")
-            if name in code:
-                duplicates.append(name)
-            code[name] = body
+        found += [(name.replace("(anonymous namespace)::", ""), body) for name, body in zip(names, bodies)]
+    return found
+
+
+def kernels(cuobjdump: str, cxxfilt: str, paths: list[pathlib.Path]) -> tuple[dict[str, list[str]], list[str]]:
+    """Kernel identity -> its SASS instructions (text only) over the objects `paths`, and the identities that occur
+    more than once."""
+    code: dict[str, list[str]] = {}
+    duplicates = []
+    for name, body in listings(cuobjdump, cxxfilt, paths):
+        if name in code:
+            duplicates.append(name)
+        code[name] = [text for _, text in body]
     return code, duplicates
 
 

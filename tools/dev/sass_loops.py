@@ -16,37 +16,11 @@ import argparse
 import collections
 import pathlib
 import re
-import subprocess
 import sys
 
-_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
-_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;?\s*/\*")
+import sass_compare  # (beside this file: the same cuobjdump listing)
+
 _BRANCH_TARGET = re.compile(r"\bBRA(?:\.[A-Z0-9]+)*\s+(?:[^,]*,\s*)?0x([0-9a-f]+)\b")
-
-
-def listing(cuobjdump: str, cxxfilt: str, paths: list[pathlib.Path]) -> dict[str, list[tuple[int, str]]]:
-    """Demangled kernel name -> its instructions as (address, text) over the objects `paths`."""
-    code: dict[str, list[tuple[int, str]]] = {}
-    for path in paths:
-        text = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True).stdout
-        mangled: list[str] = []
-        bodies: list[list[tuple[int, str]]] = []
-        for line in text.splitlines():
-            function = _FUNCTION.match(line)
-            if function:
-                mangled.append(function.group(1))
-                bodies.append([])
-                continue
-            instruction = _INSTRUCTION.match(line)
-            if instruction and bodies:
-                bodies[-1].append((int(instruction.group(1), 16), instruction.group(2)))
-        if not mangled:
-            continue
-        names = subprocess.run([cxxfilt], input="\n".join(mangled) + "\n", check=True, capture_output=True,
-                               text=True).stdout.splitlines()
-        for name, body in zip(names, bodies):
-            code[name.replace("(anonymous namespace)::", "")] = body
-    return code
 
 
 def loops(body: list[tuple[int, str]]) -> list[tuple[int, int, int]]:
@@ -77,9 +51,9 @@ def main() -> int:
     parser.add_argument("--loops", type=int, default=3, help="loops listed per kernel")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
     args = parser.parse_args()
-    code = listing(args.cuobjdump, args.cxxfilt, [pathlib.Path(p) for p in args.objects])
+    code = sass_compare.listings(args.cuobjdump, args.cxxfilt, [pathlib.Path(p) for p in args.objects])
     shown = 0
-    for name, body in sorted(code.items()):
+    for name, body in sorted(code, key=lambda kernel: kernel[0]):
         if args.kernel not in name:
             continue
         shown += 1
