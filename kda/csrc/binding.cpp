@@ -433,6 +433,9 @@ PYBIND11_MODULE(_C, m) {
                   "y = 0.5 * tanh.approx.f32(0.5 * x) + 0.5 (each step rounded), fp32 arrays.");
   def_elementwise("softplus_log2", kda::Elementwise::kSoftplusLog2,
                   "y = log2(1 + e^x) as the softplus gate computes it (gate.cuh, softplus_log2), fp32 arrays.");
+  def_elementwise("rcp_sqrt_rn", kda::Elementwise::kRcpSqrtRn,
+                  "y = 1 / sqrt(x), each step correctly rounded, as the norms compute it (device_math.cuh), fp32 "
+                  "arrays.");
   m.def(
       "lane_leaves",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t leaves, int64_t groups, int64_t rows, std::uintptr_t s) {

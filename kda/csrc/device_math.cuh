@@ -31,6 +31,33 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
+__device__ __forceinline__ float rsqrt_approx(float x) {
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1 / sqrt(x) as two correctly rounded steps, the bits of __frcp_rn(__fsqrt_rn(x)), for x >= 2^-100 (a norm's
+// sum of squares plus kNormEps) without the library's branches to its slow paths, which split the code around them
+// into regions the compiler cannot schedule across. These are the library's fast paths, which it takes for every
+// such x: sqrt = x·r corrected by one Newton step from r = rsqrt.approx; the reciprocal, rcp.approx corrected by one
+// Newton step. x = +inf (squares that overflowed) gives 0 as the library does (the fast path would give NaN); NaN
+// stays NaN. test_helpers checks every fp32 x from kNormEps up against PyTorch's sqrt and reciprocal.
+__device__ __forceinline__ float rcp_sqrt_rn(float x) {
+  const float r = rsqrt_approx(x);
+  const float y0 = __fmul_rn(x, r);
+  const float root = __fmaf_rn(__fmaf_rn(-y0, y0, x), __fmul_rn(r, 0.5f), y0);
+  const float z = rcp_approx(root);
+  const float inv = __fmaf_rn(z, -__fmaf_rn(z, root, -1.f), z);
+  return x == __int_as_float(0x7f800000) ? 0.f : inv;
+}
+
 // sigmoid(x) = 0.5 * tanh(x / 2) + 0.5; both scalings by 0.5 are exact.
 __device__ __forceinline__ float sigmoid_approx(float x) {
   return __fadd_rn(__fmul_rn(0.5f, tanh_approx(__fmul_rn(0.5f, x))), 0.5f);

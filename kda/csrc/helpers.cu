@@ -25,6 +25,7 @@ __global__ void elementwise_kernel(Elementwise op, const float* __restrict__ x, 
       case Elementwise::kTanhApprox: y[i] = tanh_approx(v); break;
       case Elementwise::kSigmoidApprox: y[i] = sigmoid_approx(v); break;
       case Elementwise::kSoftplusLog2: y[i] = softplus_log2(v); break;
+      case Elementwise::kRcpSqrtRn: y[i] = rcp_sqrt_rn(v); break;
     }
   }
 }

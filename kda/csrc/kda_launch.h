@@ -34,7 +34,7 @@ void launch_boundary_check(const FwdParams& p, cudaStream_t stream);
 void fwd(const FwdParams& p, cudaStream_t stream);
 
 // Elementwise helpers on fp32 device arrays, the same instructions the kernels use (helpers.cu).
-enum class Elementwise { kEx2Approx, kTanhApprox, kSigmoidApprox, kSoftplusLog2 };
+enum class Elementwise { kEx2Approx, kTanhApprox, kSigmoidApprox, kSoftplusLog2, kRcpSqrtRn };
 void launch_elementwise(Elementwise op, const float* x, float* y, int64_t n, cudaStream_t stream);
 
 // The decode kernel's fused steps on fp32 device arrays (helpers.cu), for G groups of R rows of 128 channels:

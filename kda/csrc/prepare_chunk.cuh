@@ -69,7 +69,7 @@ __device__ __forceinline__ float reduce_scatter_32(float (&v)[32], int lane) {
 }
 
 __device__ __forceinline__ float inv_norm(float sum_sq) {
-  return __frcp_rn(__fsqrt_rn(__fadd_rn(sum_sq, kNormEps)));
+  return rcp_sqrt_rn(__fadd_rn(sum_sq, kNormEps));
 }
 
 // Four consecutive bf16 values (8 bytes) to float.

@@ -4,8 +4,9 @@ ex2/tanh/sigmoid approximations are close to the exact functions within the PTX 
 bitwise deterministic; mma_bf16 equals a float64 matmul of its bf16 inputs within fp32-accumulation error, is
 deterministic, and chains its 16-wide k-steps in order (so splitting k reproduces it bit for bit); the decode
 kernel's FMA steps (lane_leaves, row_fma) round each FMA once, bit for bit as numerics.fma_rn defines it
-(test_fma_emulation checks that definition against exact fractions); device_info/build_info report the device and
-the compiled arch.
+(test_fma_emulation checks that definition against exact fractions); the norms' branch-free 1/sqrt (rcp_sqrt_rn)
+equals PyTorch's correctly rounded sqrt then reciprocal for every input a norm can give it; device_info/build_info
+report the device and the compiled arch.
 """
 
 from __future__ import annotations
@@ -62,6 +63,27 @@ def test_sigmoid_approx():
     assert err <= SIGMOID_ABS, f"sigmoid_approx max absolute error {err:.3e} > {SIGMOID_ABS:.3e}"
     assert bool(((y >= 0) & (y <= 1)).all()), "sigmoid_approx left [0, 1]"
     compare.assert_bitwise_equal(_ext.sigmoid_approx(x), y, "sigmoid_approx second call")
+
+
+def test_rcp_sqrt_rn_is_two_rounded_steps_for_every_norm_input():
+    """The norms' branch-free 1/sqrt (device_math.cuh, rcp_sqrt_rn) against PyTorch's sqrt then reciprocal, each
+    IEEE-rounded (what the twin computes), for every fp32 x from kNormEps (the smallest sum of squares plus ε) to
+    +inf, and for NaN: bit for bit."""
+    first = int(torch.tensor(numerics.NORM_EPS, dtype=torch.float32).view(torch.int32))
+    last = 0x7F800000  # +inf
+    step = 1 << 26
+    checked = 0
+    for start in range(first, last + 1, step):
+        x = torch.arange(start, min(start + step, last + 1), device="cuda", dtype=torch.int32).view(torch.float32)
+        got, want = _ext.rcp_sqrt_rn(x), torch.reciprocal(torch.sqrt(x))
+        differ = got.view(torch.int32) != want.view(torch.int32)
+        if bool(differ.any()):
+            i = int(differ.nonzero()[0, 0])
+            raise AssertionError(f"rcp_sqrt_rn({float(x[i])!r}) = {float(got[i])!r}, expected {float(want[i])!r}")
+        checked += x.numel()
+    assert checked == last - first + 1
+    assert float(_ext.rcp_sqrt_rn(torch.tensor([float("inf")], device="cuda"))) == 0.0
+    assert bool(_ext.rcp_sqrt_rn(torch.tensor([float("nan")], device="cuda")).isnan().all())
 
 
 def test_elementwise_keeps_shape_and_rejects_bad_input():

@@ -22,6 +22,7 @@ __all__ = [
     "tanh_approx",
     "sigmoid_approx",
     "softplus_log2",
+    "rcp_sqrt_rn",
     "lane_leaves",
     "row_fma",
     "mma_bf16",
@@ -149,6 +150,12 @@ def softplus_log2(x: torch.Tensor) -> torch.Tensor:
     """y = log2(1 + e^x) elementwise exactly as the softplus gate computes it (fp32 CUDA tensor in, new tensor
     out)."""
     return _elementwise("softplus_log2", x)
+
+
+def rcp_sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """y = 1 / sqrt(x) elementwise as the kernels' norms compute it: the sqrt and the reciprocal each correctly
+    rounded, for x >= 2^-100, +inf and NaN (fp32 CUDA tensor in, new tensor out)."""
+    return _elementwise("rcp_sqrt_rn", x)
 
 
 def _check_rows(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
