@@ -75,11 +75,8 @@ def test_rcp_sqrt_rn_is_two_rounded_steps_for_every_norm_input():
     checked = 0
     for start in range(first, last + 1, step):
         x = torch.arange(start, min(start + step, last + 1), device="cuda", dtype=torch.int32).view(torch.float32)
-        got, want = _ext.rcp_sqrt_rn(x), torch.reciprocal(torch.sqrt(x))
-        differ = got.view(torch.int32) != want.view(torch.int32)
-        if bool(differ.any()):
-            i = int(differ.nonzero()[0, 0])
-            raise AssertionError(f"rcp_sqrt_rn({float(x[i])!r}) = {float(got[i])!r}, expected {float(want[i])!r}")
+        mismatch = compare.bitwise_mismatch(_ext.rcp_sqrt_rn(x), torch.reciprocal(torch.sqrt(x)))
+        assert mismatch.count == 0, f"rcp_sqrt_rn, x from {float(x[0])!r} (index i: x[0]'s bits + i): {mismatch}"
         checked += x.numel()
     assert checked == last - first + 1
     assert float(_ext.rcp_sqrt_rn(torch.tensor([float("inf")], device="cuda"))) == 0.0
