@@ -416,6 +416,10 @@ PYBIND11_MODULE(_C, m) {
       "0: the overlap with that lead on a fixed-length batch; -1: none), decode (True: the decode kernel, whatever the "
       "rest says; False: a chunked plan). A forced V split runs two stages and anything forced runs without the "
       "overlap, unless single_pass or lead_chunks say otherwise; anything forced but decode runs a chunked plan.");
+  m.def("decode_chunk_runs", &kda::decode_chunk_runs, py::arg("total_tokens"), py::arg("num_seqs"),
+        py::arg("state_tokens"),
+        "Whether a decode plan runs the chunk step (decode_chunk.cu) rather than the token-by-token kernel for a call "
+        "of total_tokens tokens over num_seqs sequences with state_tokens per-token states (0: none).");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),

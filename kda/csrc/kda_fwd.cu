@@ -1,7 +1,8 @@
 // The KDA forward: the preparation kernel fills the workspace; with a time split the scan pass and the
 // composition turn it into every segment's start state; then the recurrence's finishing pass runs. Under a
 // single-pass plan one kernel does both stages and the workspace holds nothing; under a decode plan one kernel
-// steps token by token with the state in registers (decode.cu), no workspace either; under an overlap plan the
+// holds the state in registers and steps chunk by chunk on the tensor cores (decode_chunk.cu) or token by token
+// (decode.cu), no workspace either; under an overlap plan the
 // preparation kernel does a lead of chunks and its tail kernel the rest beside the finishing pass (both launched
 // as programmatic dependents, kda_params.h "The overlap"). All are enqueued on the caller's stream; nothing here
 // synchronises or allocates.
@@ -68,7 +69,12 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
                                 " bytes, the call needs " + std::to_string(needed));
   }
   if (p.decode && p.num_seqs > 0 && p.heads > 0) {
-    launch_decode(p, stream);  // which runs the input checks itself
+    // Either kernel runs the input checks itself.
+    if (decode_chunk_runs(p.total_tokens, p.num_seqs, p.state_tokens)) {
+      launch_decode_chunk(p, stream);
+    } else {
+      launch_decode(p, stream);
+    }
     return;
   }
   if (p.state_tokens > 0) {

@@ -25,6 +25,10 @@ void launch_single_pass(const FwdParams& p, cudaStream_t stream);
 // The decode kernel (plan.decode): token by token, the state in fp32 registers, no workspace; it also runs the
 // input checks of launch_boundary_check (decode.cu).
 void launch_decode(const FwdParams& p, cudaStream_t stream);
+// The decode plan's chunk step (decode_chunk.cu): up to 16 tokens of a sequence per step on the tensor cores, with
+// fp32-grade operands, checkpoints included; it runs the same input checks (kda_plan.h, decode_chunk_runs, says
+// when).
+void launch_decode_chunk(const FwdParams& p, cudaStream_t stream);
 
 // Records a malformed CUDA cu_seqlens or state index in the device's error word and, for longest first, ranks the
 // sequences (kda_checks.cu); no-op without either.

@@ -293,6 +293,17 @@ inline bool decode_pays(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, 
   return varlen ? total_tokens <= kDecodeMaxTokens * num_seqs : seqlen <= kDecodeMaxTokens;
 }
 
+// Under the decode plan, the chunk step (decode_chunk.cu) for calls of at least 16 tokens per sequence on average
+// without per-token states; the token-by-token kernel (decode.cu) for the rest. Per-token states are defined by the
+// token-by-token recurrence; checkpoints (every C = 16·checkpoint_chunks tokens) by the recurrence that runs, so that
+// asking for them changes no other bit of a call. Shorter calls stay token by token because the chunk step costs
+// about the same per chunk whatever its length (H200, 2026-12-02, CUDA graphs: 128 sequences of 4 tokens H32
+// 0.268 ms against 0.138; 64 of 16 tokens 0.178 against 0.198); longer sequences under a forced decode plan, or
+// hidden in a varlen batch, take 16 tokens per step instead of one.
+inline bool decode_chunk_runs(int64_t total_tokens, int64_t num_seqs, int state_tokens) {
+  return state_tokens == 0 && total_tokens >= kChunk * num_seqs && total_tokens > 0;
+}
+
 // The plan for a call, with whatever `forced` fixes.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
                         const PlanOverrides& forced = {}, GateKind gate = GateKind::kLowerBound) {

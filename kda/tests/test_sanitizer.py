@@ -73,10 +73,12 @@ CHILD = textwrap.dedent(
         (matrix.Case("pool", H=2, B=3, T=5, state_dtype="fp32", pool=5, padding=1), automatic),  # decode
         (matrix.Case("pool", H=2, B=3, T=40, state_dtype="bf16", pool=4, state_io="out_only"),
          lambda: testing.force_plan(v_split=4, segment_chunks=1)),
-        # The decode kernel (chosen for sequences of at most 16 tokens): one token, 16, empty sequences, both state
-        # dtypes, int32 cu_seqlens, in place, mixed dtypes, no state, and a forced run over longer sequences.
+        # The decode kernels (chosen for sequences of at most 16 tokens): one token, 16, empty sequences, both state
+        # dtypes, int32 cu_seqlens, in place, mixed dtypes, no state, and a forced run over longer sequences; the
+        # chunk step (16 tokens per sequence on average) with 16 tokens, and in place over several chunks.
         (matrix.Case("decode", H=2, B=3, T=1, state_dtype="bf16"), automatic),
         (matrix.Case("decode", H=2, B=3, T=16, state_dtype="fp32"), automatic),
+        (matrix.Case("decode", H=2, seqlens=(0, 40, 0, 33, 7), state_dtype="bf16", inplace_state=True), automatic),
         (matrix.Case("decode", H=2, seqlens=(0, 3, 0, 16, 1), state_dtype="bf16"), automatic),
         (matrix.Case("decode", H=2, seqlens=(0, 3, 0, 16, 1), state_dtype="fp32", cu_seqlens_int32=True), automatic),
         (matrix.Case("decode", H=2, seqlens=(2, 0, 5), state_dtype="fp32", inplace_state=True), automatic),

@@ -1625,6 +1625,20 @@ def test_force_plan_decode():
     assert flash_kda.plan(short_q) == decode
 
 
+def test_decode_chunk_step_choice():
+    """Under a decode plan the chunk step runs calls of at least 16 tokens per sequence on average without per-token
+    states, checkpoints or not; the token-by-token kernel runs the rest (kda_plan.h, decode_chunk_runs)."""
+    from flash_kda import planning
+
+    assert planning.decode_chunk_runs(64 * 16, 64)
+    assert planning.decode_chunk_runs(8192, 1)
+    assert not planning.decode_chunk_runs(64 * 16 - 1, 64)
+    assert not planning.decode_chunk_runs(128 * 4, 128)
+    assert not planning.decode_chunk_runs(128, 128)
+    assert not planning.decode_chunk_runs(0, 0)
+    assert not planning.decode_chunk_runs(64 * 16, 64, state_tokens=4)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"v_split": 2}, {"scan_v_split": 2}, {"segment_chunks": 0}, {"single_pass": True}, {"single_pass": False},

@@ -19,7 +19,7 @@ in the kernel.
 Checkpoints (``checkpoint_indices``, ``checkpoint_every`` = C): the state of sequence n after its first (m+1)·C
 tokens is the state the plan's own recurrence holds there: after the step that ends chunk (m+1)·C/16 in the
 chunked stepping (under the time split, the stepping of the unit that finishes that segment), after token
-(m+1)·C − 1 in the decode kernel's recurrence.
+(m+1)·C − 1 in the decode kernel's recurrence, after the chunk that ends there in the decode plan's chunk step.
 """
 
 from __future__ import annotations
@@ -696,6 +696,142 @@ def _recurrent_checkpoints(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound,
     return out, state, recorded
 
 
+def _split_k_steps(hi: torch.Tensor, lo: torch.Tensor, left: bool) -> torch.Tensor:
+    """The three products of a hi/lo split product as one k-concatenated operand, k-step by k-step in the kernel's
+    order (lo·hi, hi·lo, hi·hi): the left operand [.., m, k] as [lo | hi | hi] per 16 columns, the right one
+    [.., k, n] as [hi; lo; hi] per 16 rows."""
+    if left:
+        parts = [x.unflatten(-1, (-1, CHUNK)) for x in (lo, hi, hi)]
+        return torch.stack(parts, dim=-2).flatten(-3)
+    parts = [x.unflatten(-2, (-1, CHUNK)) for x in (hi, lo, hi)]
+    return torch.stack(parts, dim=-3).flatten(-4, -2)
+
+
+def _chunk_step(state, kh, qt, alpha, beta_act, v, valid, ar: Arithmetic):
+    """One step of decode_chunk.cu for U (sequence, head) pairs: state fp32 [U, H, V, K]; kh, qt, alpha [U, H, 16, K]
+    and beta_act [U, H, 16] prepared (rows past a sequence's end inert: 0, 0, 1, 0); v fp32 [U, H, 16, V]; valid
+    bool [U, 16] (the rows that are tokens). Returns (out fp32 [U, H, 16, V], the new state); out past the tokens
+    is not the kernel's (it writes none)."""
+    # P(j→t) = α_{j+1}···α_t, step d = t − j at a time; A_tj = Σ_c (k̂_j P)_c k̂_t,c (j < t), B_tj likewise with q̃_t.
+    U, H = kh.shape[:2]
+    a_mat = torch.zeros(U, H, CHUNK, CHUNK, dtype=torch.float32, device=kh.device)
+    b_mat = torch.zeros_like(a_mat)
+    rows = torch.arange(CHUNK, device=kh.device)
+    b_mat[..., rows, rows] = tree_sum_128(kh * qt)
+    p = None
+    for d in range(1, CHUNK):
+        t = rows[d:]
+        p = alpha[..., d:, :] if d == 1 else p[..., 1:, :] * alpha[..., 1 : CHUNK - d + 1, :]
+        kd = kh[..., : CHUNK - d, :] * p  # rows j = t − d
+        a_mat[..., t, t - d] = tree_sum_128(kd * kh[..., d:, :])
+        b_mat[..., t, t - d] = tree_sum_128(kd * qt[..., d:, :])
+    # T = (I + diag(β)·A)⁻¹·diag(β) by rows: T_tt = β_t, T_tj = (−β_t)·Σ_{i<t} A_ti T_ij (FMAs in i order); rows
+    # past the tokens zero.
+    valid = valid[:, None, :].expand(U, H, CHUNK)
+    t_mat = torch.zeros_like(a_mat)
+    for t in range(CHUNK):
+        acc = torch.zeros_like(t_mat[..., 0, :])
+        for i in range(t):
+            acc = fma_rn(a_mat[..., t, i, None], t_mat[..., i, :], acc)
+        row = (-beta_act[..., t, None]) * acc
+        row[..., t] = beta_act[..., t]
+        row[..., t + 1 :] = 0.0
+        t_mat[..., t, :] = torch.where(valid[..., t, None], row, torch.zeros_like(row))
+    # D_t = α_0···α_t; E_j = k̂_j P(j→15).
+    decay = alpha.clone()
+    for t in range(1, CHUNK):
+        decay[..., t, :] = decay[..., t - 1, :] * alpha[..., t, :]
+    e_mat = kh.clone()
+    to_end = None
+    for j in range(CHUNK - 2, -1, -1):
+        to_end = alpha[..., CHUNK - 1, :] if j == CHUNK - 2 else to_end * alpha[..., j + 1, :]
+        e_mat[..., j, :] = kh[..., j, :] * to_end
+    x = torch.cat([kh * decay, qt * decay], dim=-2).transpose(-1, -2)  # [U, H, K, 32]
+    s_hi, s_lo = _hi_lo(state, ar)
+    x_hi, x_lo = _hi_lo(x, ar)
+    w = ar.matmul(_split_k_steps(s_hi, s_lo, True), _split_k_steps(x_hi, x_lo, False), None)  # [U, H, V, 32]
+    w_k, w_q = w[..., :CHUNK], w[..., CHUNK:]
+    r = v.transpose(-1, -2) - w_k  # [U, H, V, 16]
+    r = torch.where(valid[..., None, :], r, torch.zeros_like(r))
+
+    def split_product(left, right, c):  # c + left·right with three products per split product
+        l_hi, l_lo = _hi_lo(left, ar)
+        r_hi, r_lo = _hi_lo(right, ar)
+        return ar.matmul(_split_k_steps(l_hi, l_lo, True), _split_k_steps(r_hi, r_lo, False), c)
+
+    u = split_product(r, t_mat.transpose(-1, -2), None)
+    o = split_product(u, b_mat.transpose(-1, -2), w_q)
+    state = split_product(u, e_mat, state * decay[..., CHUNK - 1, None, :])
+    return o.transpose(-1, -2), state
+
+
+def decode_chunk_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
+                         ar: Optional[Arithmetic] = None, *, gate_kind: str = "lower_bound",
+                         beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode plan's chunk step (kda/csrc/decode_chunk.cu; docs/NUMERICS.md, "The decode chunk step"): each
+    sequence 16 tokens at a time from its start, (out bf16 [B,T,H,V], final fp32 [N,H,V,K]). ``ar``: the kernel's
+    arithmetic (``decode_chunk_twin_forward``) or, by default, fp32 operands and exact exp2 / sigmoid."""
+    out, state, _ = _decode_chunks(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                                   ar or fp32_arithmetic(), gate_kind, beta_scale)
+    return out, state
+
+
+def _decode_chunks(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, ar: Arithmetic,
+                   gate_kind: str, beta_scale: float, checkpoints: Optional[list] = None):
+    """``decode_chunk_forward``'s loop: (out, final state, with ``checkpoints`` [(n, t), ...] (t a multiple of 16,
+    0 < t <= sequence n's length) the fp32 state of sequence n after its chunk ending at token t − 1 for each
+    [E, H, V, K], else None)."""
+    B, T, H, _ = v.shape
+    q, k = _key_heads_expanded(q, k, H)
+    device = q.device
+    bos, _, lengths = sequence_bounds(cu_seqlens, B, T)
+    N = len(lengths)
+    if initial_state is not None:
+        state = initial_state.float().clone()
+    else:
+        state = torch.zeros(N, H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+    out = torch.zeros(B * T, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    recorded = None if checkpoints is None else [None] * len(checkpoints)
+    if N == 0 or B * T == 0:
+        return out.view(B, T, H, HEAD_DIM), state, _stacked(recorded, state)
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    k_hat, q_t, alpha, beta_act = _prepare_tokens(flat(q), flat(k), flat(g), flat(beta), scale, A_log, dt_bias,
+                                                  lower_bound, ar, gate_kind, beta_scale)  # fmt: skip
+    vf = flat(v).float()
+    # One inert row past the tokens (k̂ = q̃ = v = 0, α = 1, β = 0) for the rows past a sequence's end.
+    pad = lambda x, fill: torch.cat([x, torch.full_like(x[:1], fill)])  # noqa: E731
+    k_hat, q_t, alpha, beta_act, vf = (pad(k_hat, 0.0), pad(q_t, 0.0), pad(alpha, 1.0), pad(beta_act, 0.0),
+                                       pad(vf, 0.0))
+    total = B * T
+    for m in range(int((lengths.max() + CHUNK - 1) // CHUNK)):
+        active = (lengths > CHUNK * m).nonzero().flatten()
+        token = bos[active, None] + CHUNK * m + torch.arange(CHUNK)
+        valid = token < (bos + lengths)[active, None]
+        token = torch.where(valid, token, torch.full_like(token, total)).to(device)  # [U, 16]
+        per_head = lambda x: x[token].transpose(1, 2)  # noqa: E731  [U, 16, H, ...] -> [U, H, 16, ...]
+        idx = active.to(device)
+        o, state[idx] = _chunk_step(state[idx], per_head(k_hat), per_head(q_t), per_head(alpha),
+                                    beta_act[token].transpose(1, 2), per_head(vf), valid.to(device), ar)
+        written = token[valid.to(device)]
+        out[written] = o.transpose(1, 2)[valid.to(device)].to(torch.bfloat16)
+        for e, (n, t) in enumerate(checkpoints or ()):
+            if t == CHUNK * (m + 1):
+                recorded[e] = state[n].clone()
+    return out.view(B, T, H, HEAD_DIM), state, _stacked(recorded, state)
+
+
+def decode_chunk_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None,
+                              cu_seqlens=None, *, gate_kind: str = "lower_bound",
+                              beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk step's exact arithmetic (CUDA tensors only): ``decode_chunk_forward`` with the kernel's
+    instructions, bf16 hi/lo operands and ``mma.sync`` products. Arguments as ``decode_twin_forward``."""
+    if q.device.type != "cuda":
+        raise RuntimeError(f"decode_chunk_twin_forward re-enacts the CUDA kernel and needs CUDA tensors; got "
+                           f"{q.device=}")
+    return decode_chunk_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                                kernel_arithmetic(), gate_kind=gate_kind, beta_scale=beta_scale)
+
+
 def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None,
                         cu_seqlens=None, *, gate_kind: str = "lower_bound",
                         beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -748,7 +884,12 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
     entries, slots = _checkpoint_entries(v, cu_seqlens, state_indices, initial_state, final_state,
                                          checkpoint_indices, checkpoint_every)
     if entries is not None:
-        if decode:
+        if decode and planning.decode_chunk_runs(v.shape[0] * v.shape[1], len(
+                sequence_bounds(cu_seqlens, v.shape[0], v.shape[1])[2])):
+            forward = lambda initial: _decode_chunks(  # noqa: E731
+                q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
+                gate_kind, beta_scale, entries)
+        elif decode:
             forward = lambda initial: _recurrent_checkpoints(  # noqa: E731
                 q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
                 gate_kind, beta_scale, entries)
@@ -757,6 +898,11 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
                 q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
                 segment_chunks, gate_kind, beta_scale, entries)
         return _forward_on(initial_state, final_state, state_indices, forward, checkpoint_slots=slots)
+    if decode and not per_token and planning.decode_chunk_runs(v.shape[0] * v.shape[1], len(
+            sequence_bounds(cu_seqlens, v.shape[0], v.shape[1])[2])):
+        return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_chunk_twin_forward(
+            q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, gate_kind=gate_kind,
+            beta_scale=beta_scale))
     if decode:
         return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_twin_forward(
             q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, gate_kind=gate_kind,

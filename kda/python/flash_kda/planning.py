@@ -21,7 +21,7 @@ from flash_kda.validation import GATE_CODES, cu_seqlens_on_host
 if TYPE_CHECKING:
     from flash_kda._C import Plan
 
-__all__ = ["plan", "plan_for", "workspace_bytes", "host_cu_seqlens_bytes", "host_state_indices_bytes",
+__all__ = ["plan", "plan_for", "decode_chunk_runs", "workspace_bytes", "host_cu_seqlens_bytes", "host_state_indices_bytes",
            "host_num_accepted_tokens_bytes", "host_copies", "sm_count_of", "forced", "forced_plan", "PlanOverrides", "Plan", "V_SPLITS"]
 
 V_SPLITS = (1, 2, 4, 8)
@@ -82,6 +82,13 @@ def plan(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, heads: int 
     ``heads=v.shape[2]`` (or pass v instead of q). Host-only: shapes and the device's SM count, never tensor
     contents (so never a synchronisation)."""
     return _plan_and_bytes(q, cu_seqlens, heads, gate)[0]
+
+
+def decode_chunk_runs(total_tokens: int, num_seqs: int, state_tokens: int = 0) -> bool:
+    """Whether a decode plan runs its chunk step (decode_chunk.cu) for a call of ``total_tokens`` tokens over
+    ``num_seqs`` sequences with ``state_tokens`` per-token states (``kda::decode_chunk_runs``); otherwise the
+    token-by-token kernel (decode.cu) runs."""
+    return bool(_ext.load().decode_chunk_runs(total_tokens, num_seqs, state_tokens))
 
 
 def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None,

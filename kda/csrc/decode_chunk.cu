@@ -1,0 +1,436 @@
+// The decode plan's chunk step (docs/DESIGN.md, "The decode chunk step"): a short sequence's tokens, up to 16 at a
+// time, in one step whose state products run on the tensor cores with fp32-grade operands, where the token-by-token
+// kernel (decode.cu) spends 4 fp32 operations per state element and token. The arithmetic is docs/NUMERICS.md's
+// "The decode chunk step", which flash_kda.numerics.decode_chunk_twin_forward re-enacts bit for bit.
+//
+// One CTA per (sequence, head), 8 warps; warp w holds state rows 16w .. 16w + 15 in fp32 registers as the
+// accumulator fragments of 16 m16n8 tiles. A chunk of len <= 16 tokens t (rows past it are inert: k̂ = q̃ = v = 0,
+// α = 1, β = 0, and the work for them is skipped), with P(j→t) = α_{j+1}···α_t (products of decays, never above 1,
+// so neither gate can overflow) and D_t = α_0···α_t:
+//   1. prepare (warp w: tokens 2w, 2w + 1): k̂, q̃, α, β as the token-by-token kernel does (decode_token.cuh);
+//   2. the pair sums A_tj = Σ_c (k̂_j P(j→t))_c k̂_t,c (j < t) and B_tj = Σ_c (k̂_j P(j→t))_c q̃_t,c (j <= t), each in
+//      the kernels' tree order (warp w: rows w and 15 − w, 32 sums, two reduce-scatters); the operands
+//      X = [k̂_t D_t ; q̃_t D_t] and E_j = k̂_j P(j→len−1), each split into bf16 hi + lo;
+//   3. warp 0: T = (I + diag(β)A)⁻¹diag(β) by rows in fp32 FMAs; every warp: W = S·Xᵀ;
+//   4. per warp: U = (V − W_k)·Tᵀ, O = W_q + U·Bᵀ, S ← S ⊙ D_{len−1} + U·Eᵀ.
+// Every product of fp32 matrices is a split product: three m16n8k16 MMAs per k-step (lo·hi, hi·lo, hi·hi).
+// The decode plan runs this step for calls of at least 16 tokens per sequence on average without per-token states
+// (kda_plan.h, decode_chunk_runs); the token-by-token kernel runs the rest.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include "kda/csrc/cuda_check.h"
+#include "kda/csrc/decode_token.cuh"
+#include "kda/csrc/device_math.cuh"
+#include "kda/csrc/gate.cuh"
+#include "kda/csrc/input_checks.cuh"
+#include "kda/csrc/kda_launch.h"
+#include "kda/csrc/kda_params.h"
+#include "kda/csrc/prepare_chunk.cuh"
+#include "kda/csrc/smem_opt_in.h"
+#include "kda/csrc/state_slots.cuh"
+
+namespace kda {
+namespace {
+
+constexpr int kStepWarps = 8;
+constexpr int kStepThreads = kStepWarps * 32;
+constexpr int kWarpRows = 16;  // state rows per warp: one m16 tile
+static_assert(kStepWarps * kWarpRows == kHeadDim, "the warps cover a head's 128 rows");
+static_assert(kStepWarps * 2 == kChunk, "warp w prepares tokens 2w and 2w + 1");
+constexpr int kColTiles = kHeadDim / 8;   // n8 tiles of state columns
+constexpr int kKSteps = kHeadDim / 16;    // k16 steps over the state columns
+constexpr int kXPitch = kHeadDim + 8;     // bf16 per row of X: B-fragment loads free of bank conflicts
+constexpr int kSmallPitch = kChunk + 8;   // bf16 per row of E, T and B: likewise
+
+struct StepSmem {
+  float k_hat[kChunk][kHeadDim];
+  float q_tilde[kChunk][kHeadDim];
+  float alpha[kChunk][kHeadDim];
+  float beta[kChunk];
+  float a[kChunk][kChunk];    // A_tj, j < t (fp32: T's substitution)
+  float decay_end[kHeadDim];  // D_{L−1}
+  __nv_bfloat16 x_hi[2 * kChunk][kXPitch];  // rows 0..15: k̂_t D_t, rows 16..31: q̃_t D_t
+  __nv_bfloat16 x_lo[2 * kChunk][kXPitch];
+  __nv_bfloat16 e_hi[kHeadDim][kSmallPitch];  // E transposed: channel c, token j
+  __nv_bfloat16 e_lo[kHeadDim][kSmallPitch];
+  __nv_bfloat16 t_hi[kChunk][kSmallPitch];  // T_tj (zero above the diagonal and in rows past the chunk's tokens)
+  __nv_bfloat16 t_lo[kChunk][kSmallPitch];
+  __nv_bfloat16 b_hi[kChunk][kSmallPitch];  // B_tj (zero above the diagonal)
+  __nv_bfloat16 b_lo[kChunk][kSmallPitch];
+};
+
+// x = hi + lo, each rounded to bf16 (the difference is exact in fp32).
+__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  lo = __float2bfloat16_rn(__fsub_rn(x, __bfloat162float(hi)));
+}
+
+__device__ __forceinline__ void load4s(const float* src, float (&x)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(src);
+  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+}
+__device__ __forceinline__ void store4s(float* dst, const float (&x)[4]) {
+  *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+}
+
+// Step 1 for tokens t0 and t0 + 1 of the chunk (warp-wide; lane l writes channels 4l..4l+3): both tokens' loads in
+// flight together. Rows past the sequence's end are inert: k̂ = q̃ = 0, α = 1, β = 0.
+template <GateKind kGate>
+__device__ __forceinline__ void prepare_token_pair(const FwdParams& p, const HeadGate& hg, StepSmem& sm, int64_t c0,
+                                                   int len, int t0, int h, int hk, int lane) {
+  const int ch0 = prep::kChannelsPerLane * lane;
+  RawToken raw[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (t0 + i < len) raw[i] = load_token(p, c0 + t0 + i, h, hk, ch0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int t = t0 + i;
+    if (t < len) {  // (uniform over the warp)
+      const LanePrep lp = prepare_token<kGate>(p, hg, raw[i]);
+      store4s(&sm.k_hat[t][ch0], lp.k_hat);
+      store4s(&sm.q_tilde[t][ch0], lp.q_tilde);
+      store4s(&sm.alpha[t][ch0], lp.alpha);
+      if (lane == 0) sm.beta[t] = lp.beta;
+    } else {
+      const float zeros[4] = {0.f, 0.f, 0.f, 0.f}, ones[4] = {1.f, 1.f, 1.f, 1.f};
+      store4s(&sm.k_hat[t][ch0], zeros);
+      store4s(&sm.q_tilde[t][ch0], zeros);
+      store4s(&sm.alpha[t][ch0], ones);
+      if (lane == 0) sm.beta[t] = 0.f;
+    }
+  }
+}
+
+// The lane's leaf ((p0 + p1) + (p2 + p3)) of a sum over 128 channels (tree_sum_128's order).
+__device__ __forceinline__ float leaf4(const float (&x)[4], const float (&y)[4]) {
+  return __fadd_rn(__fadd_rn(__fmul_rn(x[0], y[0]), __fmul_rn(x[1], y[1])),
+                   __fadd_rn(__fmul_rn(x[2], y[2]), __fmul_rn(x[3], y[3])));
+}
+
+// Row t's key j = t − d decayed to token t, k̂_j·P(j→t), for the lane's channels; p carries P(j→t) from step d − 1
+// (P(t−1→t) = α_t, P(j→t) = P(j+1→t)·α_{j+1}). A step past the row's first token (d > t) reads token 0: unused.
+__device__ __forceinline__ void decayed_key(const StepSmem& sm, int t, int d, int ch0, float (&p)[4], float (&kd)[4]) {
+  const int j = t - d >= 0 ? t - d : 0;
+  load4s(&sm.k_hat[j][ch0], kd);
+  if (d == 0) return;
+  float a[4];
+  load4s(&sm.alpha[j + 1][ch0], a);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    p[c] = d == 1 ? a[c] : __fmul_rn(p[c], a[c]);
+    kd[c] = __fmul_rn(kd[c], p[c]);
+  }
+}
+
+// Slot s of warp w's pair sums (pair_sums) into A (fp32) or B (bf16 hi + lo).
+__device__ __forceinline__ void store_pair_sum(StepSmem& sm, int s, float sum, int t1, int t2) {
+  const bool row2 = (s & 1) == 0 ? s <= 2 * t2 : s <= 2 * t2 - 1;
+  const int t = row2 ? t2 : t1;
+  const int d = row2 ? ((s & 1) == 0 ? s / 2 : (s + 1) / 2) : ((s & 1) == 0 ? (32 - s) / 2 : (31 - s) / 2);
+  const bool is_b = ((s & 1) == 0) == row2;  // row t2: B in even slots; row t1: B in odd slots
+  if (is_b) {
+    split_bf16(sum, sm.b_hi[t][t - d], sm.b_lo[t][t - d]);
+  } else {
+    sm.a[t][t - d] = sum;
+  }
+}
+
+// Step 2's pair sums for warp w: rows t2 = 15 − w (31 − 2w sums) and t1 = w (2w + 1 sums), 32 in all, for the rows
+// before `len` (the others feed nothing). At decay step d (j = t − d), row t2 puts B_{t2,j} in slot 2d and A_{t2,j}
+// in slot 2d − 1 (slots 0 .. 30 − 2w); row t1 puts B_{t1,j} in slot 31 − 2d and A_{t1,j} in slot 32 − 2d (slots
+// 31 − 2w .. 31). Two reduce-scatters of 16 slots (the state's registers stay live): slots 0..15 are row t2's steps
+// 0..8, slots 16..31 its steps 8..15 and row t1.
+__device__ __forceinline__ void pair_sums(StepSmem& sm, int warp, int lane, int len) {
+  const int ch0 = prep::kChannelsPerLane * lane;
+  const int t1 = warp, t2 = kChunk - 1 - warp;
+  if (t1 >= len) return;  // (t1 < t2)
+  float v[16];
+  float k2[4], q2[4], p2[4], kd[4];
+  float b_mid = 0.f;  // B_{t2,t2−8}: slot 16
+  const bool row2 = t2 < len;
+  if (row2) {
+    load4s(&sm.k_hat[t2][ch0], k2);
+    load4s(&sm.q_tilde[t2][ch0], q2);
+#pragma unroll
+    for (int d = 0; d <= 8; ++d) {  // (t2 >= 8)
+      decayed_key(sm, t2, d, ch0, p2, kd);
+      if (d < 8) v[2 * d] = leaf4(kd, q2);
+      else b_mid = leaf4(kd, q2);
+      if (d > 0) v[2 * d - 1] = leaf4(kd, k2);
+    }
+    const float sum = reduce_scatter_16(v, lane);
+    if ((lane & 1) == 0) store_pair_sum(sm, lane / 2, sum, t1, t2);
+  }
+
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = 0.f;
+  v[0] = b_mid;
+  if (row2) {
+#pragma unroll
+    for (int d = 9; d < kChunk; ++d) {
+      decayed_key(sm, t2, d, ch0, p2, kd);
+      if (d <= t2) {
+        v[2 * d - 16] = leaf4(kd, q2);
+        v[2 * d - 17] = leaf4(kd, k2);
+      }
+    }
+  }
+  float k1[4], q1[4], p1[4];
+  load4s(&sm.k_hat[t1][ch0], k1);
+  load4s(&sm.q_tilde[t1][ch0], q1);
+#pragma unroll
+  for (int d = 0; d < kChunk / 2; ++d) {  // (t1 <= 7)
+    decayed_key(sm, t1, d, ch0, p1, kd);
+    if (d <= t1) {
+      v[15 - 2 * d] = leaf4(kd, q1);
+      if (d > 0) v[16 - 2 * d] = leaf4(kd, k1);
+    }
+  }
+  const float sum = reduce_scatter_16(v, lane);
+  if ((lane & 1) == 0) {
+    const int s = 16 + lane / 2;
+    if (row2 || s >= 31 - 2 * warp) store_pair_sum(sm, s, sum, t1, t2);  // (row t2's slots only if it counts)
+  }
+}
+
+// Step 2's operands, one thread per channel and chain, for the chunk's `len` tokens: D_t and X (threads 0..127),
+// P(j→len−1) and E (128..255; E is zero past the tokens). Past the tokens α = 1, so D_{len−1} and P(j→len−1) are
+// bit for bit the chunk-of-16 values D_15 and P(j→15).
+__device__ __forceinline__ void chunk_operands(StepSmem& sm, int tid, int len) {
+  const int c = tid & (kHeadDim - 1);
+  if (tid < kHeadDim) {
+    float decay = 1.f;
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+      if (t >= len) break;
+      decay = t == 0 ? sm.alpha[0][c] : __fmul_rn(decay, sm.alpha[t][c]);
+      split_bf16(__fmul_rn(sm.k_hat[t][c], decay), sm.x_hi[t][c], sm.x_lo[t][c]);
+      split_bf16(__fmul_rn(sm.q_tilde[t][c], decay), sm.x_hi[kChunk + t][c], sm.x_lo[kChunk + t][c]);
+    }
+    sm.decay_end[c] = decay;
+  } else {
+    float to_end = 1.f;
+#pragma unroll
+    for (int j = kChunk - 1; j >= 0; --j) {
+      if (j >= len) {
+        sm.e_hi[c][j] = sm.e_lo[c][j] = __float2bfloat16_rn(0.f);
+      } else if (j == len - 1) {
+        split_bf16(sm.k_hat[j][c], sm.e_hi[c][j], sm.e_lo[c][j]);
+      } else {
+        to_end = j == len - 2 ? sm.alpha[j + 1][c] : __fmul_rn(to_end, sm.alpha[j + 1][c]);
+        split_bf16(__fmul_rn(sm.k_hat[j][c], to_end), sm.e_hi[c][j], sm.e_lo[c][j]);
+      }
+    }
+  }
+}
+
+// T = (I + diag(β)·A)⁻¹·diag(β), lower triangular, by rows (one warp; lane j < 16 owns column j): T_tt = β_t and,
+// for j < t, T_tj = (−β_t)·Σ_{i<t} A_ti T_ij, the sum as FMAs in i order. Rows past the chunk's tokens are zero.
+__device__ __forceinline__ void substitution_matrix(StepSmem& sm, int lane, int len) {
+  const int j = lane & (kChunk - 1);
+  float col[kChunk];
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < t; ++i) acc = __fmaf_rn(sm.a[t][i], col[i], acc);
+    const float beta = sm.beta[t];
+    col[t] = t >= len ? 0.f : (t == j ? beta : (t > j ? __fmul_rn(-beta, acc) : 0.f));
+    if (lane < kChunk) split_bf16(col[t], sm.t_hi[t][j], sm.t_lo[t][j]);
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const __nv_bfloat16* at) { return *reinterpret_cast<const uint32_t*>(at); }
+
+// The A fragments (hi, lo) of the 16 x 16 tile whose fp32 accumulators are `lo_tile` (columns 0..7) and `hi_tile`.
+__device__ __forceinline__ void split_a_frags(uint32_t (&hi)[4], uint32_t (&lo)[4], const float (&lo_tile)[4],
+                                              const float (&hi_tile)[4]) {
+  acc_to_a_frag(hi, lo_tile, hi_tile);
+  lo[0] = pack_lo_bf16x2(lo_tile[0], lo_tile[1], hi[0]);
+  lo[1] = pack_lo_bf16x2(lo_tile[2], lo_tile[3], hi[1]);
+  lo[2] = pack_lo_bf16x2(hi_tile[0], hi_tile[1], hi[2]);
+  lo[3] = pack_lo_bf16x2(hi_tile[2], hi_tile[3], hi[3]);
+}
+
+// D += A·B for a split product, as three m16n8k16 products: A_lo·B_hi, A_hi·B_lo, A_hi·B_hi. The B fragments are
+// column n = g of a [n][k] bf16 array (k contiguous, row pitch `pitch`), k from k0.
+__device__ __forceinline__ void split_mma(float (&d)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                          const __nv_bfloat16* b_hi_row, const __nv_bfloat16* b_lo_row) {
+  const uint32_t b_hi[2] = {smem_u32(b_hi_row), smem_u32(b_hi_row + 8)};
+  const uint32_t b_lo[2] = {smem_u32(b_lo_row), smem_u32(b_lo_row + 8)};
+  mma_bf16_16816(d, a_lo, b_hi);
+  mma_bf16_16816(d, a_hi, b_lo);
+  mma_bf16_16816(d, a_hi, b_hi);
+}
+
+// kCheckpoints: the call asks for checkpoints (a separate instantiation: calls without them keep their registers).
+template <typename InitT, typename FinalT, GateKind kGate, bool kCheckpoints>
+__global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const FwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  StepSmem& sm = *reinterpret_cast<StepSmem*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, q4 = lane & 3;
+
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kStepThreads + tid; i <= last_check_item<kCheckpoints>(p);
+       i += static_cast<int64_t>(gridDim.x) * kStepThreads) {
+    check_call_inputs<kCheckpoints>(p, i);
+  }
+
+  const int64_t n = blockIdx.x / p.heads;
+  const int h = static_cast<int>(blockIdx.x % p.heads), hk = key_head_of(p, h);
+  const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+  const int64_t slot = state_slot(p, n);
+  const int row0 = kWarpRows * warp;  // the warp's first state row
+  float s[kColTiles][4];  // rows g and g + 8 of the warp's tile, columns 8i + 2·q4 + {0, 1}: accumulator fragments
+  auto store_state = [&](int64_t to) {
+    FinalT* dst = static_cast<FinalT*>(p.final_state) + state_offset(p, to, h) +
+                  static_cast<size_t>(row0 + g) * kHeadDim + 2 * q4;
+#pragma unroll
+    for (int i = 0; i < kColTiles; ++i) {
+      store_pair(dst + 8 * i, s[i][0], s[i][1]);
+      store_pair(dst + 8 * kHeadDim + 8 * i, s[i][2], s[i][3]);
+    }
+  };
+
+  // The initial state, or zeros.
+  if (p.initial_state != nullptr && slot >= 0) {
+    const InitT* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h) +
+                       static_cast<size_t>(row0 + g) * kHeadDim + 2 * q4;
+#pragma unroll
+    for (int i = 0; i < kColTiles; ++i) {
+      load_pair(src + 8 * i, s[i][0], s[i][1]);
+      load_pair(src + 8 * kHeadDim + 8 * i, s[i][2], s[i][3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kColTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  }
+  const HeadGate hg = head_gate(p, h, prep::kChannelsPerLane * lane);
+  // T and B are zero above the diagonal: written once here, never by a chunk.
+  for (int i = tid; i < kChunk * kChunk; i += kStepThreads) {
+    const int t = i / kChunk, j = i % kChunk;
+    if (j > t) sm.t_hi[t][j] = sm.t_lo[t][j] = sm.b_hi[t][j] = sm.b_lo[t][j] = __float2bfloat16_rn(0.f);
+  }
+
+  for (int64_t c0 = bounds.bos; c0 < bounds.eos; c0 += kChunk) {
+    const int len = bounds.eos - c0 < kChunk ? static_cast<int>(bounds.eos - c0) : kChunk;  // the chunk's tokens
+    prepare_token_pair<kGate>(p, hg, sm, c0, len, 2 * warp, h, hk, lane);
+    __syncthreads();
+    pair_sums(sm, warp, lane, len);
+    chunk_operands(sm, tid, len);
+    __syncthreads();
+    if (warp == 0) substitution_matrix(sm, lane, len);
+
+    // v of the lane's tokens (fragment element e of tile i: token 8i + 2·q4 + (e & 1), row g + 8·(e >> 1)), loaded
+    // before W so that the loads are in flight during its products.
+    float v_in[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 8 * i + 2 * q4 + (e & 1);
+        v_in[i][e] = t < len ? bf16_to_float(static_cast<const __nv_bfloat16*>(
+                                   p.v)[((c0 + t) * p.heads + h) * kHeadDim + row0 + g + 8 * (e >> 1)])
+                             : 0.f;
+      }
+    }
+
+    // W = S·Xᵀ: tiles 0, 1 are W_k (tokens 0..7, 8..15), 2, 3 W_q (tiles of tokens past the chunk skipped).
+    const bool second_half = len > kChunk / 2;
+    float w[4][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a_hi[4], a_lo[4];
+      split_a_frags(a_hi, a_lo, s[2 * ks], s[2 * ks + 1]);
+#pragma unroll
+      for (int tile = 0; tile < 4; ++tile) {
+        if ((tile & 1) && !second_half) continue;
+        const int col = 16 * ks + 2 * q4;
+        split_mma(w[tile], a_hi, a_lo, &sm.x_hi[8 * tile + g][col], &sm.x_lo[8 * tile + g][col]);
+      }
+    }
+
+    // R = V − W_k (zero past the tokens), U = R·Tᵀ, O = W_q + U·Bᵀ.
+    float r[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) r[i][e] = 8 * i + 2 * q4 + (e & 1) < len ? __fsub_rn(v_in[i][e], w[i][e]) : 0.f;
+    }
+    __syncthreads();  // T is in shared memory
+    uint32_t a_hi[4], a_lo[4];
+    split_a_frags(a_hi, a_lo, r[0], r[1]);
+    float u[2][4] = {};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) split_mma(u[i], a_hi, a_lo, &sm.t_hi[8 * i + g][2 * q4], &sm.t_lo[8 * i + g][2 * q4]);
+    split_a_frags(a_hi, a_lo, u[0], u[1]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      split_mma(w[2 + i], a_hi, a_lo, &sm.b_hi[8 * i + g][2 * q4], &sm.b_lo[8 * i + g][2 * q4]);
+    }
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 8 * i + 2 * q4 + (e & 1);
+        if (t < len) {
+          out[((c0 + t) * p.heads + h) * kHeadDim + row0 + g + 8 * (e >> 1)] = __float2bfloat16_rn(w[2 + i][e]);
+        }
+      }
+    }
+
+    // S ← S ⊙ D_{len−1} + U·Eᵀ.
+#pragma unroll
+    for (int i = 0; i < kColTiles; ++i) {
+      const int col = 8 * i + 2 * q4;
+      const float d0 = sm.decay_end[col], d1 = sm.decay_end[col + 1];
+      s[i][0] = __fmul_rn(s[i][0], d0), s[i][1] = __fmul_rn(s[i][1], d1);
+      s[i][2] = __fmul_rn(s[i][2], d0), s[i][3] = __fmul_rn(s[i][3], d1);
+      split_mma(s[i], a_hi, a_lo, &sm.e_hi[8 * i + g][2 * q4], &sm.e_lo[8 * i + g][2 * q4]);
+    }
+    // Checkpoints: the state after every C = 16·checkpoint_chunks tokens into its slot (state_slots.cuh).
+    if (kCheckpoints && len == kChunk && p.final_state != nullptr) {
+      const int64_t cs = checkpoint_slot(p, n, (c0 - bounds.bos) / kChunk + 1);
+      if (cs >= 0) store_state(cs);
+    }
+    // (The next chunk writes its tokens before its first barrier, and the operands read here only after it.)
+  }
+
+  if (p.final_state != nullptr && slot >= 0) store_state(slot);
+}
+
+template <typename InitT, typename FinalT, bool kCheckpoints>
+void launch_gated(const FwdParams& p, cudaStream_t stream) {
+  with_gate(p.gate, [&](auto gate) {
+    constexpr auto kernel = kda_decode_chunk_kernel<InitT, FinalT, decltype(gate)::value, kCheckpoints>;
+    constexpr int kSmem = static_cast<int>(sizeof(StepSmem));
+    opt_in_dynamic_smem<kernel>(kSmem);
+    kernel<<<static_cast<unsigned>(p.num_seqs * p.heads), kStepThreads, kSmem, stream>>>(p);
+    KDA_CHECK_LAUNCH("kda_decode_chunk_kernel");
+  });
+}
+
+template <typename InitT, typename FinalT>
+void launch_typed(const FwdParams& p, cudaStream_t stream) {
+  if (p.checkpoint_chunks > 0) return launch_gated<InitT, FinalT, true>(p, stream);
+  launch_gated<InitT, FinalT, false>(p, stream);
+}
+
+}  // namespace
+
+void launch_decode_chunk(const FwdParams& p, cudaStream_t stream) {
+  if (p.num_seqs == 0 || p.heads == 0) return;
+  // A missing state takes the bf16 instantiation: its pointer is null, so the kernel never reads or writes it.
+  if (p.initial_is_fp32) {
+    if (p.final_is_fp32) return launch_typed<float, float>(p, stream);
+    return launch_typed<float, __nv_bfloat16>(p, stream);
+  }
+  if (p.final_is_fp32) return launch_typed<__nv_bfloat16, float>(p, stream);
+  return launch_typed<__nv_bfloat16, __nv_bfloat16>(p, stream);
+}
+
+}  // namespace kda

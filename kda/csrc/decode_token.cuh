@@ -1,0 +1,70 @@
+// One token's preparation as a warp of the decode kernels computes it (decode.cu, decode_chunk.cu): lane l loads
+// channels 4l..4l+3 of q, k and g and computes k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale and α = 2^γ for them, with the
+// chunked plans' instructions (prepare_chunk.cuh, gate.cuh), which the numerics twin re-enacts (_prepare_tokens).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kda/csrc/device_math.cuh"
+#include "kda/csrc/gate.cuh"
+#include "kda/csrc/kda_params.h"
+#include "kda/csrc/prepare_chunk.cuh"
+
+namespace kda {
+
+// Two whole-warp sums of one leaf per lane each (the halving tree, as an xor butterfly: every lane gets both),
+// level by level together, so that the two shuffle chains overlap instead of following each other.
+__device__ __forceinline__ void warp_sum_2(float& x, float& y) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset >>= 1) {
+    const float x_other = __shfl_xor_sync(0xffffffffu, x, offset), y_other = __shfl_xor_sync(0xffffffffu, y, offset);
+    x = __fadd_rn(x, x_other);
+    y = __fadd_rn(y, y_other);
+  }
+}
+
+// One token's raw inputs as this lane reads them: its 4 channels of q, k and g, β's logit and v of its sum's row.
+struct RawToken {
+  uint2 q, k, g;
+  __nv_bfloat16 beta, v;
+};
+
+__device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, int h, int hk, int ch0, int v_row) {
+  const int64_t base = (t * p.heads + h) * kHeadDim, key_base = (t * p.key_heads + hk) * kHeadDim;
+  RawToken r;
+  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + key_base + ch0);
+  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + key_base + ch0);
+  r.g = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + base + ch0);
+  r.beta = static_cast<const __nv_bfloat16*>(p.beta)[t * p.heads + h];
+  r.v = static_cast<const __nv_bfloat16*>(p.v)[base + v_row];
+  return r;
+}
+
+// One token's preparation as lane l computes it: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale and α = 2^γ for channels
+// 4l..4l+3 (the chunked plans' instructions, gate.cuh), β, and v of the row whose sums the lane ends with.
+struct LanePrep {
+  float alpha[4], k_hat[4], q_tilde[4];
+  float beta, v;
+};
+template <GateKind kGate>
+__device__ __forceinline__ LanePrep prepare_token(const FwdParams& p, const HeadGate& hg, const RawToken& raw) {
+  LanePrep lp;
+  float gf[4];
+  prep::unpack4(raw.k, lp.k_hat);
+  prep::unpack4(raw.q, lp.q_tilde);
+  prep::unpack4(raw.g, gf);
+  float sum_k = prep::sum_squares_4(lp.k_hat), sum_q = prep::sum_squares_4(lp.q_tilde);
+  warp_sum_2(sum_k, sum_q);
+  const float inv_k = prep::inv_norm(sum_k), inv_q = prep::inv_norm(sum_q);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    lp.k_hat[c] = __fmul_rn(lp.k_hat[c], inv_k);
+    lp.q_tilde[c] = __fmul_rn(__fmul_rn(lp.q_tilde[c], inv_q), p.scale);
+    lp.alpha[c] = ex2_approx(gate_log2<kGate>(hg, c, gf[c]));
+  }
+  lp.beta = beta_of(p, bf16_to_float(raw.beta));
+  lp.v = bf16_to_float(raw.v);
+  return lp;
+}
+
+}  // namespace kda
