@@ -36,6 +36,7 @@
 #include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/smem_opt_in.h"
 #include "kda/csrc/state_slots.cuh"
+#include "kda/csrc/state_types.h"
 
 namespace kda {
 namespace {
@@ -355,12 +356,9 @@ void launch_typed(const FwdParams& p, cudaStream_t stream) {
 void launch_decode(const FwdParams& p, cudaStream_t stream) {
   if (p.num_seqs == 0 || p.heads == 0) return;
   // A missing state takes the bf16 instantiation: its pointer is null, so the kernel never reads or writes it.
-  if (p.initial_is_fp32) {
-    if (p.final_is_fp32) return launch_typed<float, float>(p, stream);
-    return launch_typed<float, __nv_bfloat16>(p, stream);
-  }
-  if (p.final_is_fp32) return launch_typed<__nv_bfloat16, float>(p, stream);
-  return launch_typed<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  with_state_types(p, [&](auto init, auto fin) {
+    launch_typed<typename decltype(init)::type, typename decltype(fin)::type>(p, stream);
+  });
 }
 
 }  // namespace kda

@@ -13,6 +13,7 @@
 #include "kda/csrc/kda_plan.h"
 #include "kda/csrc/recurrence_ring.cuh"
 #include "kda/csrc/smem_opt_in.h"
+#include "kda/csrc/state_types.h"
 
 namespace kda {
 
@@ -46,21 +47,6 @@ void with_hi_lo(float lower_bound, Launch launch) {
 template <typename Launch>
 void with_warps(int v_split, float lower_bound, Launch launch) {
   with_hi_lo(lower_bound, [&](auto hi_lo) { with_warps_and(v_split, hi_lo, launch); });
-}
-
-// The caller's initial and final state dtypes as types: launch(StateType<InitT>{}, StateType<FinalT>{}).
-template <typename T>
-struct StateType {
-  using type = T;
-};
-template <typename Launch>
-void with_state_types(const FwdParams& p, Launch launch) {
-  auto with_final = [&](auto init) {
-    if (p.final_is_fp32) return launch(init, StateType<float>{});
-    return launch(init, StateType<__nv_bfloat16>{});
-  };
-  if (p.initial_is_fp32) return with_final(StateType<float>{});
-  return with_final(StateType<__nv_bfloat16>{});
 }
 
 // Which CTAs run their products as wgmma: those of two warpgroups, which share an SM's tensor cores and are

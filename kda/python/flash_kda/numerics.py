@@ -613,6 +613,19 @@ def recurrent_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, init
     return out, state
 
 
+def _token_walk_start(q, k, v, initial_state, cu_seqlens):
+    """What both decode twins start from: q, k on the value heads, the sequences' (bos, lengths) on the CPU, the fp32
+    state [N, H, V, K] (zeros without an initial state) and a zero out [B·T, H, V] in bf16."""
+    B, T, H, _ = v.shape
+    q, k = _key_heads_expanded(q, k, H)
+    bos, _, lengths = sequence_bounds(cu_seqlens, B, T)
+    if initial_state is not None:
+        state = initial_state.float().clone()
+    else:
+        state = torch.zeros(len(lengths), H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
+    return q, k, bos, lengths, state, torch.zeros(B * T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+
+
 def _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                ar: Optional[Arithmetic], gate_kind: str, beta_scale: float, token_states: int = 0,
                checkpoints: Optional[list] = None):
@@ -622,15 +635,8 @@ def _recurrent(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_sta
     for each [E, H, V, K], else None)."""
     ar = ar or fp32_arithmetic()
     B, T, H, _ = v.shape
-    q, k = _key_heads_expanded(q, k, H)
-    device = q.device
-    bos, _, lengths = sequence_bounds(cu_seqlens, B, T)
-    N = len(lengths)
-    if initial_state is not None:
-        state = initial_state.float().clone()
-    else:
-        state = torch.zeros(N, H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
-    out = torch.zeros(B * T, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    q, k, bos, lengths, state, out = _token_walk_start(q, k, v, initial_state, cu_seqlens)
+    N, device = len(lengths), q.device
     tokens = (torch.zeros(N, token_states, *state.shape[1:], dtype=torch.float32, device=device) if token_states
               else None)
     recorded = None if checkpoints is None else [None] * len(checkpoints)
@@ -782,15 +788,8 @@ def _decode_chunks(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial
     0 < t <= sequence n's length) the fp32 state of sequence n after its chunk ending at token t − 1 for each
     [E, H, V, K], else None)."""
     B, T, H, _ = v.shape
-    q, k = _key_heads_expanded(q, k, H)
-    device = q.device
-    bos, _, lengths = sequence_bounds(cu_seqlens, B, T)
-    N = len(lengths)
-    if initial_state is not None:
-        state = initial_state.float().clone()
-    else:
-        state = torch.zeros(N, H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
-    out = torch.zeros(B * T, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    q, k, bos, lengths, state, out = _token_walk_start(q, k, v, initial_state, cu_seqlens)
+    N, device = len(lengths), q.device
     recorded = None if checkpoints is None else [None] * len(checkpoints)
     if N == 0 or B * T == 0:
         return out.view(B, T, H, HEAD_DIM), state, _stacked(recorded, state)
