@@ -100,23 +100,6 @@ __device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t ite
 }
 static_assert(prep::kChannelsPerLane == 4, "lane l owns channels 4l..4l+3");
 
-// Four consecutive state elements (columns 4l..4l+3 of one row) widened to fp32 / stored from fp32.
-__device__ __forceinline__ void load4(const float* src, float (&x)[4]) {
-  const float4 v = *reinterpret_cast<const float4*>(src);
-  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-}
-__device__ __forceinline__ void load4(const __nv_bfloat16* src, float (&x)[4]) {
-  prep::unpack4(*reinterpret_cast<const uint2*>(src), x);
-}  // (both: from a ring stage in shared memory)
-__device__ __forceinline__ void store4(float* dst, const float (&x)[4]) {
-  *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
-}
-__device__ __forceinline__ void store4(__nv_bfloat16* dst, const float (&x)[4]) {
-  uint2 raw;
-  raw.x = pack_bf16x2(x[0], x[1]);
-  raw.y = pack_bf16x2(x[2], x[3]);
-  *reinterpret_cast<uint2*>(dst) = raw;
-}
 
 // The in-lane part of the halving tree over one row's 8 leaves. x[k] is leaf 4m + a with m = k ^ g, so the leaf
 // index bits 4, 3, 2 are m's bits 2, 1, 0, and slots k, k ^ 4 (then ^ 2, ^ 1) hold the tree's pairs of leaves.

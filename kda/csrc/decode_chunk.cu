@@ -67,14 +67,6 @@ __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16& hi, __nv_bflo
   lo = __float2bfloat16_rn(__fsub_rn(x, __bfloat162float(hi)));
 }
 
-__device__ __forceinline__ void load4s(const float* src, float (&x)[4]) {
-  const float4 v = *reinterpret_cast<const float4*>(src);
-  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-}
-__device__ __forceinline__ void store4s(float* dst, const float (&x)[4]) {
-  *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
-}
-
 // Step 1 for tokens t0 and t0 + 1 of the chunk (warp-wide; lane l writes channels 4l..4l+3): both tokens' loads in
 // flight together. Rows past the sequence's end are inert: k̂ = q̃ = 0, α = 1, β = 0.
 template <GateKind kGate>
@@ -91,34 +83,28 @@ __device__ __forceinline__ void prepare_token_pair(const FwdParams& p, const Hea
     const int t = t0 + i;
     if (t < len) {  // (uniform over the warp)
       const LanePrep lp = prepare_token<kGate>(p, hg, raw[i]);
-      store4s(&sm.k_hat[t][ch0], lp.k_hat);
-      store4s(&sm.q_tilde[t][ch0], lp.q_tilde);
-      store4s(&sm.alpha[t][ch0], lp.alpha);
+      store4(&sm.k_hat[t][ch0], lp.k_hat);
+      store4(&sm.q_tilde[t][ch0], lp.q_tilde);
+      store4(&sm.alpha[t][ch0], lp.alpha);
       if (lane == 0) sm.beta[t] = lp.beta;
     } else {
       const float zeros[4] = {0.f, 0.f, 0.f, 0.f}, ones[4] = {1.f, 1.f, 1.f, 1.f};
-      store4s(&sm.k_hat[t][ch0], zeros);
-      store4s(&sm.q_tilde[t][ch0], zeros);
-      store4s(&sm.alpha[t][ch0], ones);
+      store4(&sm.k_hat[t][ch0], zeros);
+      store4(&sm.q_tilde[t][ch0], zeros);
+      store4(&sm.alpha[t][ch0], ones);
       if (lane == 0) sm.beta[t] = 0.f;
     }
   }
-}
-
-// The lane's leaf ((p0 + p1) + (p2 + p3)) of a sum over 128 channels (tree_sum_128's order).
-__device__ __forceinline__ float leaf4(const float (&x)[4], const float (&y)[4]) {
-  return __fadd_rn(__fadd_rn(__fmul_rn(x[0], y[0]), __fmul_rn(x[1], y[1])),
-                   __fadd_rn(__fmul_rn(x[2], y[2]), __fmul_rn(x[3], y[3])));
 }
 
 // Row t's key j = t − d decayed to token t, k̂_j·P(j→t), for the lane's channels; p carries P(j→t) from step d − 1
 // (P(t−1→t) = α_t, P(j→t) = P(j+1→t)·α_{j+1}). A step past the row's first token (d > t) reads token 0: unused.
 __device__ __forceinline__ void decayed_key(const StepSmem& sm, int t, int d, int ch0, float (&p)[4], float (&kd)[4]) {
   const int j = t - d >= 0 ? t - d : 0;
-  load4s(&sm.k_hat[j][ch0], kd);
+  load4(&sm.k_hat[j][ch0], kd);
   if (d == 0) return;
   float a[4];
-  load4s(&sm.alpha[j + 1][ch0], a);
+  load4(&sm.alpha[j + 1][ch0], a);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     p[c] = d == 1 ? a[c] : __fmul_rn(p[c], a[c]);
@@ -153,14 +139,14 @@ __device__ __forceinline__ void pair_sums(StepSmem& sm, int warp, int lane, int 
   float b_mid = 0.f;  // B_{t2,t2−8}: slot 16
   const bool row2 = t2 < len;
   if (row2) {
-    load4s(&sm.k_hat[t2][ch0], k2);
-    load4s(&sm.q_tilde[t2][ch0], q2);
+    load4(&sm.k_hat[t2][ch0], k2);
+    load4(&sm.q_tilde[t2][ch0], q2);
 #pragma unroll
     for (int d = 0; d <= 8; ++d) {  // (t2 >= 8)
       decayed_key(sm, t2, d, ch0, p2, kd);
-      if (d < 8) v[2 * d] = leaf4(kd, q2);
-      else b_mid = leaf4(kd, q2);
-      if (d > 0) v[2 * d - 1] = leaf4(kd, k2);
+      if (d < 8) v[2 * d] = prep::dot_leaf_4(kd, q2);
+      else b_mid = prep::dot_leaf_4(kd, q2);
+      if (d > 0) v[2 * d - 1] = prep::dot_leaf_4(kd, k2);
     }
     const float sum = reduce_scatter_16(v, lane);
     if ((lane & 1) == 0) store_pair_sum(sm, lane / 2, sum, t1, t2);
@@ -174,20 +160,20 @@ __device__ __forceinline__ void pair_sums(StepSmem& sm, int warp, int lane, int 
     for (int d = 9; d < kChunk; ++d) {
       decayed_key(sm, t2, d, ch0, p2, kd);
       if (d <= t2) {
-        v[2 * d - 16] = leaf4(kd, q2);
-        v[2 * d - 17] = leaf4(kd, k2);
+        v[2 * d - 16] = prep::dot_leaf_4(kd, q2);
+        v[2 * d - 17] = prep::dot_leaf_4(kd, k2);
       }
     }
   }
   float k1[4], q1[4], p1[4];
-  load4s(&sm.k_hat[t1][ch0], k1);
-  load4s(&sm.q_tilde[t1][ch0], q1);
+  load4(&sm.k_hat[t1][ch0], k1);
+  load4(&sm.q_tilde[t1][ch0], q1);
 #pragma unroll
   for (int d = 0; d < kChunk / 2; ++d) {  // (t1 <= 7)
     decayed_key(sm, t1, d, ch0, p1, kd);
     if (d <= t1) {
-      v[15 - 2 * d] = leaf4(kd, q1);
-      if (d > 0) v[16 - 2 * d] = leaf4(kd, k1);
+      v[15 - 2 * d] = prep::dot_leaf_4(kd, q1);
+      if (d > 0) v[16 - 2 * d] = prep::dot_leaf_4(kd, k1);
     }
   }
   const float sum = reduce_scatter_16(v, lane);

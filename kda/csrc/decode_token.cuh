@@ -23,6 +23,24 @@ __device__ __forceinline__ void warp_sum_2(float& x, float& y) {
   }
 }
 
+// Four consecutive values (channels or state columns 4l..4l+3) widened to fp32 / stored from fp32.
+__device__ __forceinline__ void load4(const float* src, float (&x)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(src);
+  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* src, float (&x)[4]) {
+  prep::unpack4(*reinterpret_cast<const uint2*>(src), x);
+}
+__device__ __forceinline__ void store4(float* dst, const float (&x)[4]) {
+  *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* dst, const float (&x)[4]) {
+  uint2 raw;
+  raw.x = pack_bf16x2(x[0], x[1]);
+  raw.y = pack_bf16x2(x[2], x[3]);
+  *reinterpret_cast<uint2*>(dst) = raw;
+}
+
 // One token's raw inputs as this lane reads them: its 4 channels of q, k and g, β's logit and v of its sum's row.
 struct RawToken {
   uint2 q, k, g;

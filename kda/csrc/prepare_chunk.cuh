@@ -38,12 +38,13 @@ constexpr int kPrepTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16][128] til
 static_assert(kChunk * kAStride * 4 + kChunk * kChunk * 4 <= kPrepTileBytes,
               "β·A (and the softplus gate's Mqk staging behind it) must fit in one dead tile");
 
-// The lane's leaf of a squared norm over 128 values (lane l holding elements 4l..4l+3), in the order the twin
-// re-enacts: (x0²+x1²)+(x2²+x3²).
-__device__ __forceinline__ float sum_squares_4(const float (&x)[4]) {
-  return __fadd_rn(__fadd_rn(__fmul_rn(x[0], x[0]), __fmul_rn(x[1], x[1])),
-                   __fadd_rn(__fmul_rn(x[2], x[2]), __fmul_rn(x[3], x[3])));
+// The lane's leaf of a sum over 128 channels (lane l holding channels 4l..4l+3) of x·y, in the order the twin
+// re-enacts (tree_sum_128): (x0·y0 + x1·y1) + (x2·y2 + x3·y3); a squared norm's with y = x.
+__device__ __forceinline__ float dot_leaf_4(const float (&x)[4], const float (&y)[4]) {
+  return __fadd_rn(__fadd_rn(__fmul_rn(x[0], y[0]), __fmul_rn(x[1], y[1])),
+                   __fadd_rn(__fmul_rn(x[2], y[2]), __fmul_rn(x[3], y[3])));
 }
+__device__ __forceinline__ float sum_squares_4(const float (&x)[4]) { return dot_leaf_4(x, x); }
 
 // 32 sums over the warp at once, lane l holding a leaf of each: the halving tree over lanes (xor 16, 8, 4, 2, 1)
 // that the twin re-enacts, as a reduce-scatter. At each level a lane keeps the half of its partial sums whose

@@ -713,6 +713,13 @@ def _split_k_steps(hi: torch.Tensor, lo: torch.Tensor, left: bool) -> torch.Tens
     return torch.stack(parts, dim=-3).flatten(-4, -2)
 
 
+def _split_product(left: torch.Tensor, right: torch.Tensor, c: Optional[torch.Tensor], ar: Arithmetic) -> torch.Tensor:
+    """c + left·right as the decode chunk step forms it: both operands split hi + lo, three products per k-step."""
+    l_hi, l_lo = _hi_lo(left, ar)
+    r_hi, r_lo = _hi_lo(right, ar)
+    return ar.matmul(_split_k_steps(l_hi, l_lo, True), _split_k_steps(r_hi, r_lo, False), c)
+
+
 def _chunk_step(state, kh, qt, alpha, beta_act, v, valid, ar: Arithmetic):
     """One step of decode_chunk.cu for U (sequence, head) pairs: state fp32 [U, H, V, K]; kh, qt, alpha [U, H, 16, K]
     and beta_act [U, H, 16] prepared (rows past a sequence's end inert: 0, 0, 1, 0); v fp32 [U, H, 16, V]; valid
@@ -753,21 +760,13 @@ def _chunk_step(state, kh, qt, alpha, beta_act, v, valid, ar: Arithmetic):
         to_end = alpha[..., CHUNK - 1, :] if j == CHUNK - 2 else to_end * alpha[..., j + 1, :]
         e_mat[..., j, :] = kh[..., j, :] * to_end
     x = torch.cat([kh * decay, qt * decay], dim=-2).transpose(-1, -2)  # [U, H, K, 32]
-    s_hi, s_lo = _hi_lo(state, ar)
-    x_hi, x_lo = _hi_lo(x, ar)
-    w = ar.matmul(_split_k_steps(s_hi, s_lo, True), _split_k_steps(x_hi, x_lo, False), None)  # [U, H, V, 32]
+    w = _split_product(state, x, None, ar)  # [U, H, V, 32]
     w_k, w_q = w[..., :CHUNK], w[..., CHUNK:]
     r = v.transpose(-1, -2) - w_k  # [U, H, V, 16]
     r = torch.where(valid[..., None, :], r, torch.zeros_like(r))
-
-    def split_product(left, right, c):  # c + left·right with three products per split product
-        l_hi, l_lo = _hi_lo(left, ar)
-        r_hi, r_lo = _hi_lo(right, ar)
-        return ar.matmul(_split_k_steps(l_hi, l_lo, True), _split_k_steps(r_hi, r_lo, False), c)
-
-    u = split_product(r, t_mat.transpose(-1, -2), None)
-    o = split_product(u, b_mat.transpose(-1, -2), w_q)
-    state = split_product(u, e_mat, state * decay[..., CHUNK - 1, None, :])
+    u = _split_product(r, t_mat.transpose(-1, -2), None, ar)
+    o = _split_product(u, b_mat.transpose(-1, -2), w_q, ar)
+    state = _split_product(u, e_mat, state * decay[..., CHUNK - 1, None, :], ar)
     return o.transpose(-1, -2), state
 
 
