@@ -11,7 +11,7 @@
 //   2. the pair sums A_tj = Σ_c (k̂_j P(j→t))_c k̂_t,c (j < t) and B_tj = Σ_c (k̂_j P(j→t))_c q̃_t,c (j <= t), each in
 //      the kernels' tree order (warp w: rows w and 15 − w, 32 sums, two reduce-scatters); the operands
 //      X = [k̂_t D_t ; q̃_t D_t] and E_j = k̂_j P(j→len−1), each split into bf16 hi + lo;
-//   3. warp 0: T = (I + diag(β)A)⁻¹diag(β) by rows in fp32 FMAs; every warp: W = S·Xᵀ;
+//   3. warp 0: T = (I + diag(β)A)⁻¹diag(β) column by column in fp32 FMAs; every warp: W = S·Xᵀ;
 //   4. per warp: U = (V − W_k)·Tᵀ, O = W_q + U·Bᵀ, S ← S ⊙ D_{len−1} + U·Eᵀ.
 // Every product of fp32 matrices is a split product: three m16n8k16 MMAs per k-step (lo·hi, hi·lo, hi·hi).
 // The decode plan runs this step for calls of at least 16 tokens per sequence on average without per-token states
@@ -49,7 +49,7 @@ struct StepSmem {
   float q_tilde[kChunk][kHeadDim];
   float alpha[kChunk][kHeadDim];
   float beta[kChunk];
-  float a[kChunk][kChunk];    // A_tj, j < t (fp32: T's substitution)
+  float a_cols[kChunk][kChunk];  // A_tj at [j][t], j < t (fp32: T's substitution, column by column)
   float decay_end[kHeadDim];  // D_{L−1}
   __nv_bfloat16 x_hi[2 * kChunk][kXPitch];  // rows 0..15: k̂_t D_t, rows 16..31: q̃_t D_t
   __nv_bfloat16 x_lo[2 * kChunk][kXPitch];
@@ -121,7 +121,7 @@ __device__ __forceinline__ void store_pair_sum(StepSmem& sm, int s, float sum, i
   if (is_b) {
     split_bf16(sum, sm.b_hi[t][t - d], sm.b_lo[t][t - d]);
   } else {
-    sm.a[t][t - d] = sum;
+    sm.a_cols[t - d][t] = sum;
   }
 }
 
@@ -214,19 +214,29 @@ __device__ __forceinline__ void chunk_operands(StepSmem& sm, int tid, int len) {
   }
 }
 
-// T = (I + diag(β)·A)⁻¹·diag(β), lower triangular, by rows (one warp; lane j < 16 owns column j): T_tt = β_t and,
-// for j < t, T_tj = (−β_t)·Σ_{i<t} A_ti T_ij, the sum as FMAs in i order. Rows past the chunk's tokens are zero.
+// T = (I + diag(β)·A)⁻¹·diag(β), lower triangular (one warp; lane j < 16 owns column j): T_tt = β_t and, for j < t,
+// T_tj = (−β_t)·Σ_{i<t} A_ti T_ij, the sum as FMAs in i order. Rows past the chunk's tokens are zero. Column by
+// column: once T_ij is known it enters every later row's sum (each row's FMAs stay in i order), so the dependent
+// chain is one FMA and one product per row, and the other rows' FMAs and the next column's 16-byte loads fill it.
 __device__ __forceinline__ void substitution_matrix(StepSmem& sm, int lane, int len) {
   const int j = lane & (kChunk - 1);
-  float col[kChunk];
+  float beta[kChunk], acc[kChunk];
 #pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    float acc = 0.f;
+  for (int q = 0; q < kChunk / 4; ++q) load4(&sm.beta[4 * q], *reinterpret_cast<float(*)[4]>(&beta[4 * q]));
 #pragma unroll
-    for (int i = 0; i < t; ++i) acc = __fmaf_rn(sm.a[t][i], col[i], acc);
-    const float beta = sm.beta[t];
-    col[t] = t >= len ? 0.f : (t == j ? beta : (t > j ? __fmul_rn(-beta, acc) : 0.f));
-    if (lane < kChunk) split_bf16(col[t], sm.t_hi[t][j], sm.t_lo[t][j]);
+  for (int t = 0; t < kChunk; ++t) acc[t] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    const float value = i == j ? beta[i] : (i > j ? __fmul_rn(-beta[i], acc[i]) : 0.f);
+    const float t_ij = i < len ? value : 0.f;
+    if (lane < kChunk) split_bf16(t_ij, sm.t_hi[i][j], sm.t_lo[i][j]);
+    float a_col[kChunk];
+#pragma unroll
+    for (int q = (i + 1) / 4; q < kChunk / 4; ++q) {
+      load4(&sm.a_cols[i][4 * q], *reinterpret_cast<float(*)[4]>(&a_col[4 * q]));
+    }
+#pragma unroll
+    for (int t = i + 1; t < kChunk; ++t) acc[t] = __fmaf_rn(a_col[t], t_ij, acc[t]);
   }
 }
 
