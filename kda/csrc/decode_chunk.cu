@@ -217,26 +217,29 @@ __device__ __forceinline__ void chunk_operands(StepSmem& sm, int tid, int len) {
 // T = (I + diag(β)·A)⁻¹·diag(β), lower triangular (one warp; lane j < 16 owns column j): T_tt = β_t and, for j < t,
 // T_tj = (−β_t)·Σ_{i<t} A_ti T_ij, the sum as FMAs in i order. Rows past the chunk's tokens are zero. Column by
 // column: once T_ij is known it enters every later row's sum (each row's FMAs stay in i order), so the dependent
-// chain is one FMA and one product per row, and the other rows' FMAs and the next column's 16-byte loads fill it.
+// chain is one FMA and one product per row; the other rows' FMAs fill it, and the next column's 16-byte loads are
+// in flight meanwhile (β read four at a time: few registers beside the state's).
 __device__ __forceinline__ void substitution_matrix(StepSmem& sm, int lane, int len) {
   const int j = lane & (kChunk - 1);
-  float beta[kChunk], acc[kChunk];
-#pragma unroll
-  for (int q = 0; q < kChunk / 4; ++q) load4(&sm.beta[4 * q], *reinterpret_cast<float(*)[4]>(&beta[4 * q]));
+  float acc[kChunk], beta[4], a_col[kChunk], a_next[kChunk];
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) acc[t] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    const float value = i == j ? beta[i] : (i > j ? __fmul_rn(-beta[i], acc[i]) : 0.f);
-    const float t_ij = i < len ? value : 0.f;
-    if (lane < kChunk) split_bf16(t_ij, sm.t_hi[i][j], sm.t_lo[i][j]);
-    float a_col[kChunk];
+  for (int q = 0; q < kChunk / 4; ++q) load4(&sm.a_cols[0][4 * q], *reinterpret_cast<float(*)[4]>(&a_col[4 * q]));
 #pragma unroll
-    for (int q = (i + 1) / 4; q < kChunk / 4; ++q) {
-      load4(&sm.a_cols[i][4 * q], *reinterpret_cast<float(*)[4]>(&a_col[4 * q]));
+  for (int i = 0; i < kChunk; ++i) {
+    if (i % 4 == 0) load4(&sm.beta[i], beta);
+#pragma unroll
+    for (int q = (i + 2) / 4; q < kChunk / 4; ++q) {  // column i + 1, in flight during this column's FMAs
+      if (i + 1 < kChunk) load4(&sm.a_cols[i + 1][4 * q], *reinterpret_cast<float(*)[4]>(&a_next[4 * q]));
     }
+    const float value = i == j ? beta[i % 4] : (i > j ? __fmul_rn(-beta[i % 4], acc[i]) : 0.f);
+    const float t_ij = i < len ? value : 0.f;
 #pragma unroll
     for (int t = i + 1; t < kChunk; ++t) acc[t] = __fmaf_rn(a_col[t], t_ij, acc[t]);
+    if (lane < kChunk) split_bf16(t_ij, sm.t_hi[i][j], sm.t_lo[i][j]);
+#pragma unroll
+    for (int t = i + 2; t < kChunk; ++t) a_col[t] = a_next[t];
   }
 }
 
