@@ -14,10 +14,14 @@
 //   3. warp 0: T = (I + diag(β)A)⁻¹diag(β) column by column in fp32 FMAs; every warp: W = S·Xᵀ;
 //   4. per warp: U = (V − W_k)·Tᵀ, O = W_q + U·Bᵀ, S ← S ⊙ D_{len−1} + U·Eᵀ.
 // Every product of fp32 matrices is a split product: three m16n8k16 MMAs per k-step (lo·hi, hi·lo, hi·hi).
+// A bf16 state enters and leaves through shared memory by bulk copies (kStagedState); v is read by the preparing warps.
 // The decode plan runs this step for calls of at least 16 tokens per sequence on average without per-token states
 // (kda_plan.h, decode_chunk_runs); the token-by-token kernel runs the rest.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <type_traits>
 
 #include "kda/csrc/cuda_check.h"
 #include "kda/csrc/decode_token.cuh"
@@ -27,6 +31,7 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/prepare_chunk.cuh"
+#include "kda/csrc/sm90_async.cuh"
 #include "kda/csrc/smem_opt_in.h"
 #include "kda/csrc/state_slots.cuh"
 #include "kda/csrc/state_types.h"
@@ -43,12 +48,19 @@ constexpr int kColTiles = kHeadDim / 8;   // n8 tiles of state columns
 constexpr int kKSteps = kHeadDim / 16;    // k16 steps over the state columns
 constexpr int kXPitch = kHeadDim + 8;     // bf16 per row of X: B-fragment loads free of bank conflicts
 constexpr int kSmallPitch = kChunk + 8;   // bf16 per row of E, T and B: likewise
+constexpr int kVPitch = kHeadDim + 4;     // fp32 per row of v: the fragment loads free of bank conflicts
+// A bf16 state's rows pass through shared memory (1-D bulk copies of a row each way); 16 bytes of padding per row
+// keep the fragments' 4-byte accesses free of bank conflicts.
+constexpr int kStageRowBytes = kHeadDim * 2;
+constexpr int kStagePitchBytes = kStageRowBytes + 16;
+constexpr int kStageBytes = kHeadDim * kStagePitchBytes;
 
 struct StepSmem {
   float k_hat[kChunk][kHeadDim];
   float q_tilde[kChunk][kHeadDim];
   float alpha[kChunk][kHeadDim];
   float beta[kChunk];
+  float v[kChunk][kVPitch];  // v_t, zero past the chunk's tokens
   float a_cols[kChunk][kChunk];  // A_tj at [j][t], j < t (fp32: T's substitution, column by column)
   float decay_end[kHeadDim];  // D_{L−1}
   __nv_bfloat16 x_hi[2 * kChunk][kXPitch];  // rows 0..15: k̂_t D_t, rows 16..31: q̃_t D_t
@@ -59,6 +71,7 @@ struct StepSmem {
   __nv_bfloat16 t_lo[kChunk][kSmallPitch];
   __nv_bfloat16 b_hi[kChunk][kSmallPitch];  // B_tj (zero above the diagonal)
   __nv_bfloat16 b_lo[kChunk][kSmallPitch];
+  uint64_t state_loaded;  // the staged initial state's bulk copies (one phase)
 };
 
 // x = hi + lo, each rounded to bf16 (the difference is exact in fp32).
@@ -74,9 +87,14 @@ __device__ __forceinline__ void prepare_token_pair(const FwdParams& p, const Hea
                                                    int len, int t0, int h, int hk, int lane) {
   const int ch0 = prep::kChannelsPerLane * lane;
   RawToken raw[2];
+  uint2 v_raw[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    if (t0 + i < len) raw[i] = load_token(p, c0 + t0 + i, h, hk, ch0, 0);
+    if (t0 + i < len) {
+      raw[i] = load_token(p, c0 + t0 + i, h, hk, ch0, 0);
+      v_raw[i] = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.v) +
+                                                 ((c0 + t0 + i) * p.heads + h) * kHeadDim + ch0);
+    }
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -86,12 +104,16 @@ __device__ __forceinline__ void prepare_token_pair(const FwdParams& p, const Hea
       store4(&sm.k_hat[t][ch0], lp.k_hat);
       store4(&sm.q_tilde[t][ch0], lp.q_tilde);
       store4(&sm.alpha[t][ch0], lp.alpha);
+      float v[4];
+      prep::unpack4(v_raw[i], v);
+      store4(&sm.v[t][ch0], v);
       if (lane == 0) sm.beta[t] = lp.beta;
     } else {
       const float zeros[4] = {0.f, 0.f, 0.f, 0.f}, ones[4] = {1.f, 1.f, 1.f, 1.f};
       store4(&sm.k_hat[t][ch0], zeros);
       store4(&sm.q_tilde[t][ch0], zeros);
       store4(&sm.alpha[t][ch0], ones);
+      store4(&sm.v[t][ch0], zeros);
       if (lane == 0) sm.beta[t] = 0.f;
     }
   }
@@ -266,24 +288,57 @@ __device__ __forceinline__ void split_mma(float (&d)[4], const uint32_t (&a_hi)[
   mma_bf16_16816(d, a_hi, b_hi);
 }
 
+// A bf16 state travels by 1-D bulk copies, a row each (the states are 16-byte aligned: validation.py), through the
+// staging rows after StepSmem: the initial state's copies are issued at the start and land while the tokens are
+// prepared (the state's registers are not needed until W), and each warp copies its final rows out itself. An fp32
+// state is read and written by the threads directly.
+template <typename T>
+constexpr bool kStagedState = std::is_same<T, __nv_bfloat16>::value;
+
+constexpr int kStageOffset = (static_cast<int>(sizeof(StepSmem)) + 127) / 128 * 128;  // bulk copies: 16-byte aligned
+
+template <typename InitT, typename FinalT>
+constexpr int step_smem_bytes() {
+  return kStageOffset + (kStagedState<InitT> || kStagedState<FinalT> ? kStageBytes : 0);
+}
+
 // kCheckpoints: the call asks for checkpoints (a separate instantiation: calls without them keep their registers).
 template <typename InitT, typename FinalT, GateKind kGate, bool kCheckpoints>
 __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const FwdParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   StepSmem& sm = *reinterpret_cast<StepSmem*>(smem_raw);
+  unsigned char* stage = smem_raw + kStageOffset;  // kStageBytes, when a state is bf16
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, q4 = lane & 3;
+
+  const int64_t n = blockIdx.x / p.heads;
+  const int h = static_cast<int>(blockIdx.x % p.heads), hk = key_head_of(p, h);
+  const int64_t slot = state_slot(p, n);
+  const int row0 = kWarpRows * warp;  // the warp's first state row
+  const bool staged_init = kStagedState<InitT> && p.initial_state != nullptr && slot >= 0;
+  if (staged_init) {  // (uniform over the CTA)
+    if (tid == 0) {
+      mbarrier_init(&sm.state_loaded, 1);
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (warp == 0) {
+      if (lane == 0) mbarrier_arrive_expect_tx(&sm.state_loaded, kHeadDim * kStageRowBytes);
+      __syncwarp();
+      const InitT* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h);
+#pragma unroll
+      for (int r = lane; r < kHeadDim; r += 32) {
+        bulk_copy_g2s(stage + r * kStagePitchBytes, src + r * kHeadDim, kStageRowBytes, &sm.state_loaded);
+      }
+    }
+  }
 
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kStepThreads + tid; i <= last_check_item<kCheckpoints>(p);
        i += static_cast<int64_t>(gridDim.x) * kStepThreads) {
     check_call_inputs<kCheckpoints>(p, i);
   }
-
-  const int64_t n = blockIdx.x / p.heads;
-  const int h = static_cast<int>(blockIdx.x % p.heads), hk = key_head_of(p, h);
   const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
-  const int64_t slot = state_slot(p, n);
-  const int row0 = kWarpRows * warp;  // the warp's first state row
+
   float s[kColTiles][4];  // rows g and g + 8 of the warp's tile, columns 8i + 2·q4 + {0, 1}: accumulator fragments
   auto store_state = [&](int64_t to) {
     FinalT* dst = static_cast<FinalT*>(p.final_state) + state_offset(p, to, h) +
@@ -294,19 +349,35 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
       store_pair(dst + 8 * kHeadDim + 8 * i, s[i][2], s[i][3]);
     }
   };
-
-  // The initial state, or zeros.
-  if (p.initial_state != nullptr && slot >= 0) {
-    const InitT* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h) +
-                       static_cast<size_t>(row0 + g) * kHeadDim + 2 * q4;
-#pragma unroll
-    for (int i = 0; i < kColTiles; ++i) {
-      load_pair(src + 8 * i, s[i][0], s[i][1]);
-      load_pair(src + 8 * kHeadDim + 8 * i, s[i][2], s[i][3]);
-    }
-  } else {
+  auto zero_state = [&]() {
 #pragma unroll
     for (int i = 0; i < kColTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  };
+  // A staged (bf16) initial state: this warp's rows into the fragments once they have landed, or zeros.
+  auto take_staged_init = [&]() {
+    if (!staged_init) return zero_state();
+    mbarrier_wait_parity_warp(&sm.state_loaded, 0);
+    const unsigned char* row = stage + (row0 + g) * kStagePitchBytes + 4 * q4;
+#pragma unroll
+    for (int i = 0; i < kColTiles; ++i) {
+      load_pair(reinterpret_cast<const __nv_bfloat16*>(row + 16 * i), s[i][0], s[i][1]);
+      load_pair(reinterpret_cast<const __nv_bfloat16*>(row + 8 * kStagePitchBytes + 16 * i), s[i][2], s[i][3]);
+    }
+  };
+
+  // An fp32 initial state, read directly, or zeros.
+  if constexpr (!kStagedState<InitT>) {
+    if (p.initial_state != nullptr && slot >= 0) {
+      const InitT* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h) +
+                         static_cast<size_t>(row0 + g) * kHeadDim + 2 * q4;
+#pragma unroll
+      for (int i = 0; i < kColTiles; ++i) {
+        load_pair(src + 8 * i, s[i][0], s[i][1]);
+        load_pair(src + 8 * kHeadDim + 8 * i, s[i][2], s[i][3]);
+      }
+    } else {
+      zero_state();
+    }
   }
   const HeadGate hg = head_gate(p, h, prep::kChannelsPerLane * lane);
   // T and B are zero above the diagonal: written once here, never by a chunk.
@@ -319,23 +390,20 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
     const int len = bounds.eos - c0 < kChunk ? static_cast<int>(bounds.eos - c0) : kChunk;  // the chunk's tokens
     prepare_token_pair<kGate>(p, hg, sm, c0, len, 2 * warp, h, hk, lane);
     __syncthreads();
+    if constexpr (kStagedState<InitT>) {
+      if (c0 == bounds.bos) take_staged_init();  // (landed during the preparation, whose registers it spared)
+    }
     pair_sums(sm, warp, lane, len);
     chunk_operands(sm, tid, len);
     __syncthreads();
     if (warp == 0) substitution_matrix(sm, lane, len);
 
-    // v of the lane's tokens (fragment element e of tile i: token 8i + 2·q4 + (e & 1), row g + 8·(e >> 1)), loaded
-    // before W so that the loads are in flight during its products.
+    // v of the lane's tokens (fragment element e of tile i: token 8i + 2·q4 + (e & 1), row g + 8·(e >> 1)).
     float v_in[2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = 8 * i + 2 * q4 + (e & 1);
-        v_in[i][e] = t < len ? bf16_to_float(static_cast<const __nv_bfloat16*>(
-                                   p.v)[((c0 + t) * p.heads + h) * kHeadDim + row0 + g + 8 * (e >> 1)])
-                             : 0.f;
-      }
+      for (int e = 0; e < 4; ++e) v_in[i][e] = sm.v[8 * i + 2 * q4 + (e & 1)][row0 + g + 8 * (e >> 1)];
     }
 
     // W = S·Xᵀ: tiles 0, 1 are W_k (tokens 0..7, 8..15), 2, 3 W_q (tiles of tokens past the chunk skipped).
@@ -399,15 +467,33 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
     }
     // (The next chunk writes its tokens before its first barrier, and the operands read here only after it.)
   }
-
-  if (p.final_state != nullptr && slot >= 0) store_state(slot);
+  if constexpr (kStagedState<InitT>) {
+    if (bounds.bos >= bounds.eos) take_staged_init();  // (a sequence without tokens)
+  }
+  if (p.final_state == nullptr || slot < 0) return;
+  if constexpr (!kStagedState<FinalT>) return store_state(slot);
+  // The warp's rows into its staging rows (which only this warp read), then a bulk copy per row.
+  unsigned char* row = stage + (row0 + g) * kStagePitchBytes + 4 * q4;
+#pragma unroll
+  for (int i = 0; i < kColTiles; ++i) {
+    store_pair(reinterpret_cast<__nv_bfloat16*>(row + 16 * i), s[i][0], s[i][1]);
+    store_pair(reinterpret_cast<__nv_bfloat16*>(row + 8 * kStagePitchBytes + 16 * i), s[i][2], s[i][3]);
+  }
+  fence_proxy_async_shared();
+  __syncwarp();
+  if (lane < kWarpRows) {
+    FinalT* dst = static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h) + (row0 + lane) * kHeadDim;
+    bulk_copy_s2g(dst, stage + (row0 + lane) * kStagePitchBytes, kStageRowBytes);
+    bulk_commit();
+    bulk_wait_read_all();
+  }
 }
 
 template <typename InitT, typename FinalT, bool kCheckpoints>
 void launch_gated(const FwdParams& p, cudaStream_t stream) {
   with_gate(p.gate, [&](auto gate) {
     constexpr auto kernel = kda_decode_chunk_kernel<InitT, FinalT, decltype(gate)::value, kCheckpoints>;
-    constexpr int kSmem = static_cast<int>(sizeof(StepSmem));
+    constexpr int kSmem = step_smem_bytes<InitT, FinalT>();
     opt_in_dynamic_smem<kernel>(kSmem);
     kernel<<<static_cast<unsigned>(p.num_seqs * p.heads), kStepThreads, kSmem, stream>>>(p);
     KDA_CHECK_LAUNCH("kda_decode_chunk_kernel");

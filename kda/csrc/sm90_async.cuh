@@ -1,5 +1,5 @@
-// Hopper data-movement primitives the recurrence kernel uses: mbarriers, 1-D bulk copies (the copy engine
-// moves a whole contiguous workspace record with one instruction) and the warp-wide matrix loads/transposes
+// Hopper data-movement primitives the kernels use: mbarriers, 1-D bulk copies (the copy engine moves a whole
+// contiguous workspace record or state row with one instruction) and the warp-wide matrix loads/transposes
 // (ldmatrix, movmatrix). None of these touch values, so they cannot change a bit of the results.
 #pragma once
 
@@ -94,6 +94,18 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
       "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
+
+// ---- 1-D bulk copy shared -> global in bulk groups (16-byte aligned, size % 16 == 0) ------------------------
+// The writing threads' stores must be ordered before it with fence_proxy_async_shared; the source may be reused
+// (or the CTA exit) once bulk_wait_read_all returns, and the global writes are visible when the grid completes.
+__device__ __forceinline__ void bulk_copy_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst), "r"(smem_addr(smem_src)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until this thread's committed bulk stores have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 // ---- bulk prefetch of a global range into L2 (16-byte aligned, size % 16 == 0): no registers, no completion ----
 __device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
