@@ -71,7 +71,7 @@ struct StepSmem {
   __nv_bfloat16 t_lo[kChunk][kSmallPitch];
   __nv_bfloat16 b_hi[kChunk][kSmallPitch];  // B_tj (zero above the diagonal)
   __nv_bfloat16 b_lo[kChunk][kSmallPitch];
-  uint64_t state_loaded;  // the staged initial state's bulk copies (one phase)
+  uint64_t state_loaded[kStepWarps];  // warp w's 16 staged initial-state rows (one phase)
 };
 
 // x = hi + lo, each rounded to bf16 (the difference is exact in fp32).
@@ -80,32 +80,43 @@ __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16& hi, __nv_bflo
   lo = __float2bfloat16_rn(__fsub_rn(x, __bfloat162float(hi)));
 }
 
-// Step 1 for tokens t0 and t0 + 1 of the chunk (warp-wide; lane l writes channels 4l..4l+3): both tokens' loads in
-// flight together. Rows past the sequence's end are inert: k̂ = q̃ = 0, α = 1, β = 0.
-template <GateKind kGate>
-__device__ __forceinline__ void prepare_token_pair(const FwdParams& p, const HeadGate& hg, StepSmem& sm, int64_t c0,
-                                                   int len, int t0, int h, int hk, int lane) {
-  const int ch0 = prep::kChannelsPerLane * lane;
+// Step 1's inputs for tokens t0 and t0 + 1 of a chunk as lane l reads them (channels 4l..4l+3), all in flight
+// together: no branch around the loads (a branch made the compiler park the loaded values in local memory, each
+// token's loads waiting for the previous token's).
+struct TokenPairRaw {
   RawToken raw[2];
-  uint2 v_raw[2];
+  uint2 v[2];
+};
+__device__ __forceinline__ TokenPairRaw load_token_pair(const FwdParams& p, int64_t c0, int len, int t0, int h, int hk,
+                                                        int lane) {
+  const int ch0 = prep::kChannelsPerLane * lane;
+  TokenPairRaw r;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (t0 + i < len) {
-      raw[i] = load_token(p, c0 + t0 + i, h, hk, ch0, 0);
-      v_raw[i] = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.v) +
-                                                 ((c0 + t0 + i) * p.heads + h) * kHeadDim + ch0);
-    }
+  for (int i = 0; i < 2; ++i) {  // (a row past the tokens loads the last token again, unused)
+    const int64_t t = c0 + (t0 + i < len ? t0 + i : len - 1);
+    r.raw[i] = load_token(p, t, h, hk, ch0, 0);
+    const __nv_bfloat16* v_row = static_cast<const __nv_bfloat16*>(p.v) + (t * p.heads + h) * kHeadDim;
+    r.v[i] = *reinterpret_cast<const uint2*>(v_row + ch0);
   }
+  return r;
+}
+
+// Step 1 for tokens t0 and t0 + 1 of the chunk (warp-wide; lane l writes channels 4l..4l+3). Rows past the
+// sequence's end are inert: k̂ = q̃ = 0, α = 1, β = 0.
+template <GateKind kGate>
+__device__ __forceinline__ void prepare_token_pair(const FwdParams& p, const HeadGate& hg, StepSmem& sm,
+                                                   const TokenPairRaw& r, int len, int t0, int lane) {
+  const int ch0 = prep::kChannelsPerLane * lane;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int t = t0 + i;
     if (t < len) {  // (uniform over the warp)
-      const LanePrep lp = prepare_token<kGate>(p, hg, raw[i]);
+      const LanePrep lp = prepare_token<kGate>(p, hg, r.raw[i]);
       store4(&sm.k_hat[t][ch0], lp.k_hat);
       store4(&sm.q_tilde[t][ch0], lp.q_tilde);
       store4(&sm.alpha[t][ch0], lp.alpha);
       float v[4];
-      prep::unpack4(v_raw[i], v);
+      prep::unpack4(r.v[i], v);
       store4(&sm.v[t][ch0], v);
       if (lane == 0) sm.beta[t] = lp.beta;
     } else {
@@ -289,9 +300,10 @@ __device__ __forceinline__ void split_mma(float (&d)[4], const uint32_t (&a_hi)[
 }
 
 // A bf16 state travels by 1-D bulk copies, a row each (the states are 16-byte aligned: validation.py), through the
-// staging rows after StepSmem: the initial state's copies are issued at the start and land while the tokens are
-// prepared (the state's registers are not needed until W), and each warp copies its final rows out itself. An fp32
-// state is read and written by the threads directly.
+// staging rows after StepSmem. Each warp copies in its own 16 rows at the start, on its own mbarrier, and they land
+// while the tokens are prepared (the state's registers are not needed until W); at the end each warp copies its
+// final rows out. (Bulk copies take uniform operands: one warp issuing all 128 rows ran them one lane at a time, about
+// 1,100 instructions on the warp that then computes T.) An fp32 state is read and written by the threads directly.
 template <typename T>
 constexpr bool kStagedState = std::is_same<T, __nv_bfloat16>::value;
 
@@ -313,23 +325,33 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
 
   const int64_t n = blockIdx.x / p.heads;
   const int h = static_cast<int>(blockIdx.x % p.heads), hk = key_head_of(p, h);
+  // The first chunk's token loads and the head's gate parameters go out first; the state's copies and the input
+  // checks are issued while they are in flight.
+  const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+  auto chunk_len = [&](int64_t c0) {
+    return bounds.eos - c0 < kChunk ? static_cast<int>(bounds.eos - c0) : kChunk;
+  };
+  TokenPairRaw first_tokens;
+  if (bounds.bos < bounds.eos) {
+    first_tokens = load_token_pair(p, bounds.bos, chunk_len(bounds.bos), 2 * warp, h, hk, lane);
+  }
+  const HeadGate hg = head_gate(p, h, prep::kChannelsPerLane * lane);
   const int64_t slot = state_slot(p, n);
   const int row0 = kWarpRows * warp;  // the warp's first state row
   const bool staged_init = kStagedState<InitT> && p.initial_state != nullptr && slot >= 0;
-  if (staged_init) {  // (uniform over the CTA)
-    if (tid == 0) {
-      mbarrier_init(&sm.state_loaded, 1);
+  if (staged_init) {  // (uniform over the CTA) each warp copies in its own 16 rows on its own mbarrier
+    uint64_t* loaded = &sm.state_loaded[warp];
+    if (lane == 0) {
+      mbarrier_init(loaded, 1);
       mbarrier_init_fence();
     }
-    __syncthreads();
-    if (warp == 0) {
-      if (lane == 0) mbarrier_arrive_expect_tx(&sm.state_loaded, kHeadDim * kStageRowBytes);
-      __syncwarp();
-      const InitT* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h);
-#pragma unroll
-      for (int r = lane; r < kHeadDim; r += 32) {
-        bulk_copy_g2s(stage + r * kStagePitchBytes, src + r * kHeadDim, kStageRowBytes, &sm.state_loaded);
-      }
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive_expect_tx(loaded, kWarpRows * kStageRowBytes);
+    __syncwarp();
+    if (lane < kWarpRows) {
+      const InitT* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h) +
+                         static_cast<size_t>(row0 + lane) * kHeadDim;
+      bulk_copy_g2s(stage + (row0 + lane) * kStagePitchBytes, src, kStageRowBytes, loaded);
     }
   }
 
@@ -337,7 +359,6 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
        i += static_cast<int64_t>(gridDim.x) * kStepThreads) {
     check_call_inputs<kCheckpoints>(p, i);
   }
-  const SeqBounds bounds = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
 
   float s[kColTiles][4];  // rows g and g + 8 of the warp's tile, columns 8i + 2·q4 + {0, 1}: accumulator fragments
   auto store_state = [&](int64_t to) {
@@ -356,7 +377,7 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
   // A staged (bf16) initial state: this warp's rows into the fragments once they have landed, or zeros.
   auto take_staged_init = [&]() {
     if (!staged_init) return zero_state();
-    mbarrier_wait_parity_warp(&sm.state_loaded, 0);
+    mbarrier_wait_parity_warp(&sm.state_loaded[warp], 0);
     const unsigned char* row = stage + (row0 + g) * kStagePitchBytes + 4 * q4;
 #pragma unroll
     for (int i = 0; i < kColTiles; ++i) {
@@ -379,16 +400,22 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
       zero_state();
     }
   }
-  const HeadGate hg = head_gate(p, h, prep::kChannelsPerLane * lane);
   // T and B are zero above the diagonal: written once here, never by a chunk.
   for (int i = tid; i < kChunk * kChunk; i += kStepThreads) {
     const int t = i / kChunk, j = i % kChunk;
     if (j > t) sm.t_hi[t][j] = sm.t_lo[t][j] = sm.b_hi[t][j] = sm.b_lo[t][j] = __float2bfloat16_rn(0.f);
   }
 
+  // The first chunk's preparation stands outside the loop: there no state is live (a bf16 state is taken after the
+  // first barrier), so the tokens loaded above stay in registers instead of being spilled.
+  if (bounds.bos < bounds.eos) {
+    prepare_token_pair<kGate>(p, hg, sm, first_tokens, chunk_len(bounds.bos), 2 * warp, lane);
+  }
   for (int64_t c0 = bounds.bos; c0 < bounds.eos; c0 += kChunk) {
-    const int len = bounds.eos - c0 < kChunk ? static_cast<int>(bounds.eos - c0) : kChunk;  // the chunk's tokens
-    prepare_token_pair<kGate>(p, hg, sm, c0, len, 2 * warp, h, hk, lane);
+    const int len = chunk_len(c0);  // the chunk's tokens
+    if (c0 != bounds.bos) {
+      prepare_token_pair<kGate>(p, hg, sm, load_token_pair(p, c0, len, 2 * warp, h, hk, lane), len, 2 * warp, lane);
+    }
     __syncthreads();
     if constexpr (kStagedState<InitT>) {
       if (c0 == bounds.bos) take_staged_init();  // (landed during the preparation, whose registers it spared)
