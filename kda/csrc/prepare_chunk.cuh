@@ -454,19 +454,18 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     const int at = swizzle_wide(r, ch0);
     const uint2 kd_bits = make_uint2(pack_bf16x2(kd[0], kd[1]), pack_bf16x2(kd[2], kd[3]));
     const uint2 qd_bits = make_uint2(pack_bf16x2(qd[0], qd[1]), pack_bf16x2(qd[2], qd[3]));
-    const uint2 ki_bits = make_uint2(pack_bf16x2(ki[0], ki[1]), pack_bf16x2(ki[2], ki[3]));
     __syncwarp();  // every lane has read row r's raw q and k before any lane overwrites the row
     *reinterpret_cast<uint2*>(rec_kq + record_kq(0, r, ch0)) = kd_bits;
     *reinterpret_cast<uint2*>(rec_kq + record_kq(1, r, ch0)) = qd_bits;
     if constexpr (softplus) {
       anchored_row(r, kh, qt, cum, ch0, lane, tile_kd, tile_qd, tile_ki, anchored);
-      continue;
+    } else {
+      if constexpr (!kInSmem) {
+        *reinterpret_cast<uint2*>(tile_kd + at) = kd_bits;
+        *reinterpret_cast<uint2*>(tile_qd + at) = qd_bits;
+      }
+      *reinterpret_cast<uint2*>(tile_ki + at) = make_uint2(pack_bf16x2(ki[0], ki[1]), pack_bf16x2(ki[2], ki[3]));
     }
-    if constexpr (!kInSmem) {
-      *reinterpret_cast<uint2*>(tile_kd + at) = kd_bits;
-      *reinterpret_cast<uint2*>(tile_qd + at) = qd_bits;
-    }
-    *reinterpret_cast<uint2*>(tile_ki + at) = ki_bits;
   }
   if constexpr (softplus) anchored_late_rows(anchored, ch0, tile_ki);
   // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
