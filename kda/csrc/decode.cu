@@ -59,11 +59,13 @@ struct PreparedToken {
   float q_tilde[kHeadDim];
 };
 
-// Ring stages per CTA: 3 x 16 KB for a bf16 state, 2 x 32 KB for an fp32 one, then each warp's two prepared tokens
-// (6 KB): 4 CTAs per SM with a bf16 state (as many as the registers allow), 3 with an fp32 one.
+// Ring stages per CTA: 2 x 16 KB for a bf16 state, 2 x 32 KB for an fp32 one, then each warp's two prepared tokens
+// (6 KB): 4 CTAs per SM with a bf16 state (as many as the registers allow), 3 with an fp32 one. A third bf16 stage
+// (v25) was no faster, and with the item's small loads issued early and used late, two were faster on one-token
+// calls (docs/PERFORMANCE.md, "The token kernel's rounds and its item boundary").
 template <typename InitT>
 struct DecodeRing {
-  static constexpr int kStages = sizeof(InitT) == 2 ? 3 : 2;
+  static constexpr int kStages = 2;
   static constexpr int kStageBytes = kDecodeItemElems * static_cast<int>(sizeof(InitT));
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kPreparedBytes = kDecodeWarps * 2 * static_cast<int>(sizeof(PreparedToken));
@@ -183,18 +185,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
     const int h = it.h;
     const int row0 = it.part * kDecodeRows + warp_row0;  // this warp's first state row in the head
     const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, it.n, p.seqlen, p.total_tokens);
-    const int64_t slot = state_slot(p, it.n);
 
-    // The item's first token and the gate's per-head parts (prepare_chunk.cuh's phase 1, the same instructions)
-    // are in flight while the warp waits for the state.
+    // The item's first token, its state index and the gate's per-head parameters are in flight while the warp
+    // waits for the state; the index and the parameters are used (widened) only once the state rows are read,
+    // so that no instruction before the wait stalls on them.
+    const SlotBits slot_bits = load_slot_bits(p, it.n);
     const int hk = key_head_of(p, h);
     RawToken next{};
     if (b.bos < b.eos) next = load_token(p, b.bos, h, hk, ch0, row0 + my_row);
-    const HeadGate hg = head_gate(p, h, ch0);
+    const HeadGateBits gate_bits = load_head_gate_bits(p, h, ch0);
 
     // The state rows, fp32 (a bf16 state widened exactly), or zeros; then the stage is free for a later item.
     float s[kLaneRows][kLaneLeaves][4];
     mbarrier_wait_parity_warp(&full[st], parity);
+    const int64_t slot = slot_from_bits(p, slot_bits);
     if (p.initial_state != nullptr && slot >= 0) {
       const InitT* src = ring + st * kDecodeItemElems + (warp_row0 + group) * kHeadDim;
 #pragma unroll
@@ -218,7 +222,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
     // The per-token pass of a chunked plan stops after the tokens whose states it writes.
     const int64_t end = p.states_only && b.eos - b.bos > p.state_tokens ? b.bos + p.state_tokens : b.eos;
-    // The first token's preparation; each later one is prepared at the end of the token before it.
+    // The gate's per-head parts (prepare_chunk.cuh's phase 1, the same instructions), then the first token's
+    // preparation; each later one is prepared at the end of the token before it.
+    const HeadGate hg = head_gate_from(p, gate_bits);
     LanePrep ahead = prepare_token<kGate>(p, hg, next);
     if (b.bos + 1 < end) next = load_token(p, b.bos + 1, h, hk, ch0, row0 + my_row);
     publish(my_prepared[0], ch0, ahead);

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
 #include <type_traits>
 
 #include "kda/csrc/device_math.cuh"
@@ -59,6 +60,55 @@ __device__ __forceinline__ HeadGate head_gate(const FwdParams& p, int h, int ch0
     load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, hg.bias);
   } else {
     hg.bias[0] = hg.bias[1] = hg.bias[2] = hg.bias[3] = 0.f;
+  }
+  return hg;
+}
+
+// head_gate in two halves, for a kernel that issues the parameters' loads early and uses them late (decode.cu):
+// the elements as loaded (bits, not yet widened: no instruction reads a loaded register until head_gate_from, so
+// the warp does not wait for them), then the constants, with head_gate's instructions.
+struct HeadGateBits {
+  uint32_t a_log;    // A_log[h]: fp32 bits, or a 16-bit element in the low half
+  uint32_t bias[4];  // dt_bias[h, ch0 .. ch0 + 3]: fp32 bits, or two 16-bit elements per word in bias[0..1]
+};
+__device__ __forceinline__ HeadGateBits load_head_gate_bits(const FwdParams& p, int h, int ch0) {
+  HeadGateBits bits{};
+  if (p.A_log != nullptr) {
+    bits.a_log = p.A_log_type == ParamType::kFloat32 ? static_cast<const uint32_t*>(p.A_log)[h]
+                                                     : static_cast<const uint16_t*>(p.A_log)[h];
+  }
+  if (p.dt_bias != nullptr) {
+    const int64_t i = static_cast<int64_t>(h) * kHeadDim + ch0;
+    if (p.dt_bias_type == ParamType::kFloat32) {
+      const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const float*>(p.dt_bias) + i);
+      bits.bias[0] = w.x, bits.bias[1] = w.y, bits.bias[2] = w.z, bits.bias[3] = w.w;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.dt_bias) + i);
+      bits.bias[0] = w.x, bits.bias[1] = w.y;
+    }
+  }
+  return bits;
+}
+// A 16-bit parameter element (the low half of `bits`) widened exactly.
+__device__ __forceinline__ float param_from_bits(ParamType type, uint32_t bits) {
+  switch (type) {
+    case ParamType::kBFloat16: return __uint_as_float(bits << 16);
+    case ParamType::kFloat16: return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu)));
+    default: return __uint_as_float(bits);
+  }
+}
+__device__ __forceinline__ HeadGate head_gate_from(const FwdParams& p, const HeadGateBits& bits) {
+  HeadGate hg;
+  hg.exp_a = p.A_log != nullptr ? ex2_approx(__fmul_rn(param_from_bits(p.A_log_type, bits.a_log), kLog2e)) : 1.f;
+  hg.scale = __fmul_rn(p.lower_bound, kLog2e);
+  if (p.dt_bias == nullptr) {
+    hg.bias[0] = hg.bias[1] = hg.bias[2] = hg.bias[3] = 0.f;
+  } else if (p.dt_bias_type == ParamType::kFloat32) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) hg.bias[c] = __uint_as_float(bits.bias[c]);
+  } else {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) hg.bias[c] = param_from_bits(p.dt_bias_type, bits.bias[c / 2] >> (16 * (c % 2)));
   }
   return hg;
 }

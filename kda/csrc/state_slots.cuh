@@ -11,12 +11,14 @@
 
 namespace kda {
 
-// The state slot of sequence n, or -1 for "no state": start from zeros and write nothing. Negative indices are the
-// caller's padding rows; indices past the pool are refused the same way (and reported by the boundary check).
-__device__ __forceinline__ int64_t pool_index(const FwdParams& p, int64_t i) {
-  const int64_t slot = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[i]
-                                                : static_cast<const int32_t*>(p.state_indices)[i];
+// A pool entry as a state slot, or -1 for "no state": start from zeros and write nothing. Negative entries are the
+// caller's padding rows; entries past the pool are refused the same way (and reported by the boundary check).
+__device__ __forceinline__ int64_t in_pool(const FwdParams& p, int64_t slot) {
   return slot >= 0 && slot < p.pool_slots ? slot : -1;
+}
+__device__ __forceinline__ int64_t pool_index(const FwdParams& p, int64_t i) {
+  return in_pool(p, p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[i]
+                                             : static_cast<const int32_t*>(p.state_indices)[i]);
 }
 
 // The tokens accepted before sequence n's call (per-token states: it starts from the state after that many), or an
@@ -35,6 +37,30 @@ __device__ __forceinline__ int64_t state_slot(const FwdParams& p, int64_t n) {
     return a >= 1 && a <= p.state_tokens ? pool_index(p, n * p.state_tokens + a - 1) : -1;
   }
   return pool_index(p, n);
+}
+
+// state_slot in two halves, for a kernel that issues the index's load early and uses it late (decode.cu): the
+// entry as loaded (no instruction reads the loaded register until slot_from_bits, so the warp does not wait for
+// it), then the slot. With per-token states the entry's address depends on another load, and the slot is found
+// at once.
+struct SlotBits {
+  int64_t wide;    // the int64 entry; the slot itself without indices or with per-token states
+  int32_t narrow;  // the int32 entry
+};
+__device__ __forceinline__ SlotBits load_slot_bits(const FwdParams& p, int64_t n) {
+  SlotBits bits{0, 0};
+  if (p.state_indices == nullptr || p.state_tokens > 0) {
+    bits.wide = state_slot(p, n);
+  } else if (p.state_indices_is_int64) {
+    bits.wide = static_cast<const int64_t*>(p.state_indices)[n];
+  } else {
+    bits.narrow = static_cast<const int32_t*>(p.state_indices)[n];
+  }
+  return bits;
+}
+__device__ __forceinline__ int64_t slot_from_bits(const FwdParams& p, const SlotBits& bits) {
+  if (p.state_indices == nullptr || p.state_tokens > 0) return bits.wide;
+  return in_pool(p, p.state_indices_is_int64 ? bits.wide : static_cast<int64_t>(bits.narrow));
 }
 
 // The slot of the state after token t (t >= 0, counted from the sequence's start) of sequence n, or -1.
