@@ -701,6 +701,8 @@ def accuracy_table(rows: list[dict]) -> list[str]:
             cells += [_peer_cell(r, peer, f"{peer}_err_out", ".2e"), _peer_cell(r, peer, f"{peer}_err_state", ".2e")]
         cells += [_fmt(r.get("bf16_rounding_out"), ".2e"), _fmt(r.get("bf16_rounding_state"), ".2e")]
         lines.append(f"| {r['case']} | {r['state']} | " + " | ".join(cells) + " |")
+    if len(lines) == 3:
+        return []  # no case was checked (--noaccuracy, or every case above --accuracy_max_token_heads)
     lines.append("")
     lines.append("bf16 rounding: the error of the reference itself rounded to bf16 (the floor for a bf16 output).")
     return lines
