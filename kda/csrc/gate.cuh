@@ -89,7 +89,7 @@ __device__ __forceinline__ HeadGateBits load_head_gate_bits(const FwdParams& p, 
   }
   return bits;
 }
-// A 16-bit parameter element (the low half of `bits`) widened exactly.
+// A parameter element widened to fp32 exactly: fp32 bits, or a 16-bit element in the low half of `bits`.
 __device__ __forceinline__ float param_from_bits(ParamType type, uint32_t bits) {
   switch (type) {
     case ParamType::kBFloat16: return __uint_as_float(bits << 16);
