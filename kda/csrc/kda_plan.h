@@ -247,9 +247,10 @@ inline Plan choose_two_stage_plan(int64_t total_tokens, int64_t seqlen, int64_t 
 struct OverlapModel {
   static constexpr double kStep = 0.78;      // µs per step of an 8-warp finishing CTA beside the tail
   static constexpr double kTailRate = 0.8;   // records per µs of one SM of the tail kernel
-  // The softplus gate's tail (anchored products, 8 warps): 0.45 records per µs and SM (T8192 H96: 8,736 tail
-  // records on 36 SMs in 536 µs against 305 for the lower-bound gate; H200, 2026-12-02).
-  static constexpr double kTailRateSoftplus = 0.45;
+  // The softplus gate's tail (anchored products): 0.7 records per µs and SM, the rate at which this model's lead
+  // is the fastest one measured (H200, 2026-12-03, tools/dev/lead_sweep.py: T8192 H96 best at L 435 of 400-450,
+  // 0.66-0.71; H64 at L 260 of 260-320; lead 0 at H96: 2.19 ms for 49,152 records on 36 SMs).
+  static constexpr double kTailRateSoftplus = 0.7;
   static constexpr int kMarginDiv = 20;      // margin: chunks / kMarginDiv + 4
   static constexpr int kMinTailSms = 8;      // fewer free SMs: no overlap
   static constexpr int64_t kMinChunks = 64;  // shorter sequences: no overlap

@@ -24,17 +24,23 @@ using prep::prepare_fixed_chunk;
 // recurrence needs them, kTailWarps items per CTA at a time, each warp at its own pace (a CTA barrier per round of
 // items measured 10 % slower: 1.66 against 1.51 ms for T8192 H96's 49,152 records on 36 SMs), and publish each
 // record with its ready flag. 12 warps of 168 registers: 16 of 128 spill 120 bytes and ran no faster, 8 of 255
-// slower (measured on the H200, 2026-12-01).
-// The softplus gate's anchored products need more registers: 8 warps.
-template <GateKind kGate>
-constexpr int kTailWarpsOf = kGate == GateKind::kSoftplus ? 8 : 12;
+// slower (measured on the H200, 2026-12-01). The softplus gate's item (its anchored products) fits 168 registers
+// too once lane and warp are read per item (fresh_tid_x): T8192 H96 with a lead of 300 chunks, where the recurrence
+// waits for the tail, 1.30 ms against 1.47 on 8 warps of 255 registers (H200, 2026-12-03).
+constexpr int kTailWarps = 12;
+
+// threadIdx.x read afresh where it is called: nothing derived from it is hoisted out of the tail's loop and held
+// live across the next item's preparation (the softplus item then spilled 360 bytes at 168 registers, now 88).
+__device__ __forceinline__ uint32_t fresh_tid_x() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
 
 template <GateKind kGate>
-__global__ void __launch_bounds__(kTailWarpsOf<kGate> * 32, 1) kda_prepare_tail_kernel(const FwdParams p) {
-  constexpr int kTailWarps = kTailWarpsOf<kGate>;
+__global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(const FwdParams p) {
   grid_dependency_wait();   // the lead's records and the flags' zeroing are complete and visible
   grid_launch_dependents();  // the recurrence may launch once every tail CTA is here
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // 32-bit item arithmetic (registers): a workspace of 868 bytes per token-head that fits in memory has far
   // fewer than 2^31 records.
   const int H = p.heads;
@@ -44,6 +50,7 @@ __global__ void __launch_bounds__(kTailWarpsOf<kGate> * 32, 1) kda_prepare_tail_
   uint32_t* flags = overlap_flags(p);
   for (int base = static_cast<int>(blockIdx.x) * kTailWarps; base < items;
        base += static_cast<int>(gridDim.x) * kTailWarps) {
+    const int warp = static_cast<int>(fresh_tid_x()) >> 5, lane = static_cast<int>(fresh_tid_x()) & 31;
     const int item = base + warp;
     if (item < items) {
       prepare_fixed_chunk<kGate>(p, p.lead_chunks + item / per_chunk, (item / H) % N, item % H, lane, warp);
@@ -62,7 +69,6 @@ __global__ void __launch_bounds__(kTailWarpsOf<kGate> * 32, 1) kda_prepare_tail_
 void launch_prepare_tail(const FwdParams& p, cudaStream_t stream) {
   with_gate(p.gate, [&](auto gate) {
     constexpr GateKind kGate = decltype(gate)::value;
-    constexpr int kTailWarps = kTailWarpsOf<kGate>;
     constexpr int kSmemBytes = kTailWarps * static_cast<int>(sizeof(PrepScratch));
     constexpr auto kKernel = kda_prepare_tail_kernel<kGate>;
     opt_in_dynamic_smem<kKernel>(kSmemBytes);
