@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(co
   uint32_t* flags = overlap_flags(p);
   for (int base = static_cast<int>(blockIdx.x) * kTailWarps; base < items;
        base += static_cast<int>(gridDim.x) * kTailWarps) {
-    const int warp = static_cast<int>(fresh_tid_x()) >> 5, lane = static_cast<int>(fresh_tid_x()) & 31;
+    const int tid = static_cast<int>(fresh_tid_x());
+    const int warp = tid >> 5, lane = tid & 31;
     const int item = base + warp;
     if (item < items) {
       prepare_fixed_chunk<kGate>(p, p.lead_chunks + item / per_chunk, (item / H) % N, item % H, lane, warp);
