@@ -26,7 +26,7 @@ using prep::prepare_fixed_chunk;
 // are capped at 128 to match 16. CTAs of 8 rather than 2 warps keep an SM's warps on two stretches of the
 // (long, unrolled) code instead of eight, which the instruction cache rewards: 0.441 → 0.390 ms at T8192 H96.
 // The softplus gate's preparation (its anchored products) needs more registers: 3 CTAs of 4 warps per SM at up to
-// 168 registers.
+// 168 registers; its 12 warps as 2 CTAs of 6 or 1 of 12 ran 5 % and 10 % slower (docs/PERFORMANCE.md).
 template <GateKind kGate>
 struct PrepShape {
   static constexpr int kWarps = kGate == GateKind::kSoftplus ? 4 : 8;
