@@ -42,8 +42,12 @@ def main() -> None:
         final = torch.empty_like(init)
         out = torch.empty_like(x["v"])
         lb = None if gate == "softplus" else LOWER_BOUND
-        ws = torch.empty(flash_kda.workspace_bytes(x["v"], gate=gate) + (1 << 20), dtype=torch.uint8,
-                         device="cuda")
+        # One workspace for every plan timed: the largest that the automatic plan and the forced leads need.
+        ws_bytes = flash_kda.workspace_bytes(x["v"], gate=gate)
+        for lead in leads:
+            with testing.force_plan(lead_chunks=lead):
+                ws_bytes = max(ws_bytes, flash_kda.workspace_bytes(x["v"], gate=gate))
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
 
         def call():
             flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, out, x["A_log"], x["dt_bias"], lb,
