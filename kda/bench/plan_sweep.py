@@ -65,7 +65,7 @@ def main(argv: list[str]) -> None:
             else:
                 kwargs = {"v_split": forced[0], "segment_chunks": forced[1], "scan_v_split": forced[2]}
             with testing.force_plan(**kwargs):
-                plan = flash_kda.plan(inp["q"], inp["cu_seqlens"])
+                plan = flash_kda.plan(inp["v"], inp["cu_seqlens"], gate=case.gate)  # how the call ran
                 t = stage_times(call, FLAGS.profile_iters)
                 span = bench_fwd.time_ms(call, 5, warmup=2, batch=20)
             total = sum(t.values())

@@ -28,7 +28,7 @@ def profile_case(case: bench_fwd.Case, iters: int) -> tuple[dict[str, float], ob
 
     inp = bench_fwd.make_inputs(case, "cuda")
     call, _ = bench_fwd.run_flash_kda(inp, case.state, bench_fwd.HEAD_DIM**-0.5, -5.0)
-    return stage_times(call, iters), flash_kda.plan(inp["q"], inp["cu_seqlens"])
+    return stage_times(call, iters), flash_kda.plan(inp["v"], inp["cu_seqlens"], gate=case.gate)
 
 
 def main(argv: list[str]) -> None:

@@ -53,7 +53,7 @@ def main() -> None:
             flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, out, x["A_log"], x["dt_bias"], lb,
                           initial_state=init, final_state=final, workspace=ws, gate=gate)
 
-        plan_lead = flash_kda.plan(x["q"], gate=gate).lead_chunks
+        plan_lead = flash_kda.plan(x["v"], gate=gate).lead_chunks
         cells = [f"{bench_fwd.graph_time_ms(call, 30):.3f}"]
         for lead in leads:
             with testing.force_plan(lead_chunks=lead):
