@@ -20,31 +20,6 @@ namespace kda {
 // differences of running sums keep their precision.
 constexpr float kMinLog2Decay = -128.0f;
 
-// A gate parameter (A_log, dt_bias) element widened to fp32, whatever the caller's dtype (exact).
-__device__ __forceinline__ float load_param(const void* base, ParamType type, int64_t i) {
-  switch (type) {
-    case ParamType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-    case ParamType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
-  }
-}
-// Four consecutive elements (i % 4 == 0: one 16- or 8-byte load).
-__device__ __forceinline__ void load_param4(const void* base, ParamType type, int64_t i, float (&x)[4]) {
-  if (type == ParamType::kFloat32) {
-    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-  } else if (type == ParamType::kBFloat16) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + i);
-    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-    x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + i);
-    const __half2 lo = *reinterpret_cast<const __half2*>(&raw.x), hi = *reinterpret_cast<const __half2*>(&raw.y);
-    x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
-  }
-}
-
 // One head's gate constants for the channels ch0 .. ch0 + 3: e^A_log (1 without A_log), dt_bias (0 without it)
 // and, for the lower-bound gate, lower_bound · log2 e.
 struct HeadGate {
@@ -52,21 +27,9 @@ struct HeadGate {
   float scale;
   float bias[4];
 };
-__device__ __forceinline__ HeadGate head_gate(const FwdParams& p, int h, int ch0) {
-  HeadGate hg;
-  hg.exp_a = p.A_log != nullptr ? ex2_approx(__fmul_rn(load_param(p.A_log, p.A_log_type, h), kLog2e)) : 1.f;
-  hg.scale = __fmul_rn(p.lower_bound, kLog2e);
-  if (p.dt_bias != nullptr) {
-    load_param4(p.dt_bias, p.dt_bias_type, static_cast<int64_t>(h) * kHeadDim + ch0, hg.bias);
-  } else {
-    hg.bias[0] = hg.bias[1] = hg.bias[2] = hg.bias[3] = 0.f;
-  }
-  return hg;
-}
-
-// head_gate in two halves, for a kernel that issues the parameters' loads early and uses them late (decode.cu):
-// the elements as loaded (bits, not yet widened: no instruction reads a loaded register until head_gate_from, so
-// the warp does not wait for them), then the constants, with head_gate's instructions.
+// Loaded in two halves, so that a kernel can issue the parameters' loads early and use them late (decode.cu): the
+// elements as loaded (bits, not yet widened: no instruction reads a loaded register until head_gate_from, so the
+// warp does not wait for them), then the constants.
 struct HeadGateBits {
   uint32_t a_log;    // A_log[h]: fp32 bits, or a 16-bit element in the low half
   uint32_t bias[4];  // dt_bias[h, ch0 .. ch0 + 3]: fp32 bits, or two 16-bit elements per word in bias[0..1]
@@ -111,6 +74,11 @@ __device__ __forceinline__ HeadGate head_gate_from(const FwdParams& p, const Hea
     for (int c = 0; c < 4; ++c) hg.bias[c] = param_from_bits(p.dt_bias_type, bits.bias[c / 2] >> (16 * (c % 2)));
   }
   return hg;
+}
+
+// Both halves at once, for kernels that use the constants right away (prepare_chunk.cuh, decode_chunk.cu).
+__device__ __forceinline__ HeadGate head_gate(const FwdParams& p, int h, int ch0) {
+  return head_gate_from(p, load_head_gate_bits(p, h, ch0));
 }
 
 // log2(1 + e^x) = max(x, 0)·log2 e + log2(1 + 2^(−|x|·log2 e)): neither term overflows. Two MUFU instructions
