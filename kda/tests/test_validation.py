@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import fresh_process
+import numpy as np
 import pytest
 import torch
 
@@ -290,6 +292,27 @@ def test_lower_bound_range(lower_bound):
 @pytest.mark.parametrize("scale", [math.nan, math.inf, None, torch.tensor(1.0)])
 def test_scale_finite(scale):
     raises(ValueError, r"scale must be a finite real number, got scale=", scale=scale)
+
+
+@pytest.mark.parametrize("name", ["scale", "lower_bound"])
+def test_tensor_scalars_say_why(name):
+    """A 0-d tensor is refused with the reason: reading its value would wait for its device."""
+    value = torch.tensor(D**-0.5 if name == "scale" else -5.0)
+    raises(ValueError, rf"{name} must be .*, got {name}=tensor\(.*a Python or NumPy number: a tensor's value is not read",
+           **{name: value})  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_numpy_scalars_computed_without_warnings(dtype):
+    """NumPy scale and lower_bound compute as the same Python floats do, with no warning (a NumPy float32 compared
+    with the float32 overflow bound used to warn of an overflow in the cast)."""
+    x = {**inputs(), "scale": 0.125, "lower_bound": -4.5}  # (both exact in float32)
+    flash_kda.fwd(**x)
+    y = {**inputs(), "scale": dtype(0.125), "lower_bound": dtype(-4.5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_kda.fwd(**y)
+    assert torch.equal(y["out"], x["out"]) and torch.equal(y["final_state"], x["final_state"])
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -5, -1e-3, 0.0, 0])

@@ -269,8 +269,10 @@ def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, i
     if allow_neg_eigval is not True and allow_neg_eigval is not False:
         raise TypeError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval=} of {type(allow_neg_eigval)=}")
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite real number, got {scale=}")
-    if abs(scale) >= FP32_OVERFLOW:
+        why = " (a Python or NumPy number: a tensor's value is not read, which would wait for its device)"
+        raise ValueError(f"scale must be a finite real number, got {scale=}" +
+                         (why if isinstance(scale, torch.Tensor) else ""))
+    if abs(float(scale)) >= FP32_OVERFLOW:  # (as a Python float: a NumPy float32 would overflow the bound's cast)
         raise ValueError(f"scale must be finite in float32 (|scale| < {FP32_OVERFLOW:.9g}; the kernel computes "
                          f"in float32), got {scale=}")
     if gate == "lower_bound":
@@ -281,7 +283,9 @@ def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, i
             or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]
         ):
             raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got {lower_bound=} "
-                             "(gate='lower_bound'; only gate='softplus' takes None)")
+                             "(gate='lower_bound'; only gate='softplus' takes None" +
+                             ("; a Python or NumPy number: a tensor's value is not read)"
+                              if isinstance(lower_bound, torch.Tensor) else ")"))
     elif lower_bound is not None and (
         not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool) or not math.isfinite(lower_bound)
     ):
