@@ -1752,6 +1752,46 @@ def test_checkpoints_are_accepted(variant):
     flash_kda.fwd(**x)
 
 
+# Slots written twice in one call (T = 32, C = 16: both checkpoints of each sequence are written, the second at its
+# very end; the sequences' final slots are 3 and 0).
+CHECKPOINT_COLLISIONS = {
+    "two_sequences": (((4, 5), (5, 6)), "checkpoint_indices[0, 1] and checkpoint_indices[1, 0] both write slot 5"),
+    "another_final": (((4, 0), (6, 7)),
+                      "state_indices[1] (sequence 1's final state) and checkpoint_indices[0, 1] both write slot 0"),
+    "own_final_mid_sequence": (((3, 5), (6, 7)),
+                               "state_indices[0] (sequence 0's final state) and checkpoint_indices[0, 0] both write slot 3"),
+    "one_sequence_twice": (((4, 4), (6, 7)), "checkpoint_indices[0, 0] and checkpoint_indices[0, 1] both write slot 4"),
+}
+
+
+@pytest.mark.parametrize("variant", list(CHECKPOINT_COLLISIONS))
+def test_checkpoint_slots_written_twice_are_refused(variant):
+    """Different CTAs write the checkpoints and the final states in no fixed order (two sequences, or two segments
+    of one under the time split): a slot written twice would be unspecified on CUDA, so the CPU path refuses it and
+    names both writes."""
+    indices, message = CHECKPOINT_COLLISIONS[variant]
+    x = checkpoint_inputs(T=32, indices=indices)
+    checkpoint_raises(ValueError, re.escape(message) + r"; each slot may be written once per call", **x)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validation.check_checkpoint_indices(x["checkpoint_indices"], CHECKPOINT_P, x["state_indices"],
+                                            torch.tensor([32, 32]), 16)
+
+
+@pytest.mark.parametrize("indices, T", [(((4, 3), (6, 0)), 32), (((4, 5), (6, 5)), 20), (((4, -1), (-1, 5)), 32)],
+                         ids=["own_final_at_the_end", "shared_but_not_written", "negative_entries"])
+def test_checkpoint_slots_that_are_not_written_twice_are_accepted(indices, T):
+    """A checkpoint at a sequence's very end may share its own final slot (the same bits, from the same CTA); a
+    shared slot of an entry past its sequence's length is never written; negative entries write nothing. The final
+    slots hold what the call without checkpoints leaves there, bit for bit."""
+    x = checkpoint_inputs(T=T, indices=indices)
+    plain = {**x, "final_state": x["final_state"].clone(), "out": x["out"].clone(),
+             "checkpoint_indices": torch.full_like(x["checkpoint_indices"], -1)}
+    flash_kda.fwd(**x)
+    flash_kda.fwd(**plain)
+    finals = x["state_indices"]
+    assert torch.equal(x["final_state"][finals], plain["final_state"][finals])
+
+
 @pytest.mark.parametrize("variant", ["in_place", "final_only", "bf16_pools", "gva_softplus", "varlen_int32"])
 def test_checkpoints_are_accepted_with_other_options(variant):
     x = checkpoint_inputs()

@@ -105,13 +105,15 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
     Prefix-cache checkpoints (``checkpoint_indices`` [N, M] with ``checkpoint_every`` = C, pooled states only):
     the state after the first (m + 1)·C tokens of sequence n is written to pool slot ``checkpoint_indices[n, m]``
-    of ``final_state`` for every m < M with (m + 1)·C <= its length, in the pool's dtype, before the final state
-    (a final slot among them ends with the final state; for a length that is a multiple of C the two are the same
-    bits). Positions count from the sequence's first token in this call, so a call that continues a sequence from a
-    checkpoint starts at a multiple of C. A negative entry writes nothing; an entry >= P writes nothing, and
-    ``flash_kda.last_error()`` names it (a CPU ``checkpoint_indices``, on the CPU path, is checked before the call).
-    Every plan writes them, from the state its own recurrence holds at that token (docs/NUMERICS.md, "Checkpoints");
-    ``out`` and the final states are those of the same call without checkpoints, bit for bit.
+    of ``final_state`` for every m < M with (m + 1)·C <= its length, in the pool's dtype. Each slot is written at
+    most once per call: a slot named by two written checkpoints, or by a written checkpoint and a final state, is
+    left unspecified (the kernels write them from different CTAs in no fixed order), except that a sequence's
+    checkpoint at its very end may name its own final slot (the two are the same bits). Positions count from the
+    sequence's first token in this call, so a call that continues a sequence from a checkpoint starts at a multiple
+    of C. A negative entry writes nothing; an entry >= P writes nothing, and ``flash_kda.last_error()`` names it (a
+    CPU ``checkpoint_indices``, on the CPU path, is checked before the call, slots written twice included). Every
+    plan writes them, from the state its own recurrence holds at that token (docs/NUMERICS.md, "Checkpoints"); ``out``
+    and the final states are those of the same call without checkpoints, bit for bit.
 
     CUDA: needs compute capability 9.0 (sm_90a). The call never synchronises with the host and allocates no
     device memory once its workspace is large enough, so it can be captured in a CUDA graph. The contents of a

@@ -67,7 +67,10 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
             if accepted_on_host:
                 check_num_accepted_tokens(num_accepted_tokens, state_tokens)  # on the host: free there
         if checkpoint_indices is not None and checkpoint_indices.device.type == "cpu":
-            check_checkpoint_indices(checkpoint_indices, P)  # (the CPU path's: CUDA calls take CUDA ones)
+            # (the CPU path's: CUDA calls take CUDA ones). Which checkpoints are written needs the lengths.
+            known = indices_on_host and (cu_seqlens is None or cu_seqlens.device.type == "cpu")
+            check_checkpoint_indices(checkpoint_indices, P, state_indices if known else None,
+                                     sequence_lengths(cu_seqlens, B, T) if known else None, checkpoint_every)
 
     # --- nothing to compute: no launch with an empty grid, but final_state is still defined (per-token states: no
     # token, so no state is written).

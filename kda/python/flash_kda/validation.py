@@ -630,7 +630,9 @@ def check_num_accepted_tokens(num_accepted_tokens: torch.Tensor, state_tokens: i
         )
 
 
-def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int) -> None:
+def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int,
+                             state_indices: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                             checkpoint_every: int = 0) -> None:
     """Validates the contents of ``checkpoint_indices`` on the host (a CUDA tensor synchronises).
 
     ``fwd`` does this for free where they are on the CPU (the CPU path); on the device the kernels skip an entry
@@ -640,8 +642,16 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int) 
     |---|---|---|---|
     | checkpoint_indices | int64 / int32 | [N, M] | slot of sequence n's state after its first (m+1)·C tokens; negative: none |
     | pool_slots | int | — | P, the pools' first dimension |
+    | state_indices | int64 / int32 / None | [N] | the sequences' slots (their final states are written there) |
+    | lengths | int64 / None | [N] | the sequences' lengths (``sequence_lengths``); None: unknown on the host |
+    | checkpoint_every | int | — | C |
 
-    Raises ValueError naming the first entry past the pool (>= P) as ``checkpoint_indices[n, m]``.
+    Raises ValueError naming the first entry past the pool (>= P) as ``checkpoint_indices[n, m]``; then, with
+    ``state_indices`` and ``lengths`` given, the first two writes of one slot: two written checkpoints
+    ((m + 1)·C <= lengths[n]), or a written checkpoint and another final state (``state_indices[n']``), name one
+    slot. The kernels write them from different CTAs in no fixed order (two sequences, or two segments of one
+    sequence under the time split), so such a slot would be unspecified. A sequence's checkpoint at its very end
+    may share its own final slot: both are the same bits, written by the same CTA.
     """
     indices = checkpoint_indices.detach().to("cpu", torch.int64)
     past = torch.nonzero(indices.flatten() >= pool_slots)
@@ -650,6 +660,31 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int) 
         raise ValueError(f"checkpoint_indices[{n}, {m}] = {int(indices[n, m])} is past the pool's last slot "
                          f"(P = {pool_slots}: the final_state pool's first dimension); negative entries mean no "
                          "checkpoint")
+    if state_indices is None or lengths is None or checkpoint_every <= 0 or indices.numel() == 0:
+        return
+    N, M = indices.shape
+    finals = state_indices.detach().to("cpu", torch.int64).view(N, 1)
+    tokens = checkpoint_every * torch.arange(1, M + 1).view(1, M)
+    lengths = lengths.to("cpu", torch.int64).view(N, 1)
+    written = (indices >= 0) & (tokens <= lengths) & ~((tokens == lengths) & (indices == finals))
+    # Every write as (slot, entry): final states first (entry n), then the written checkpoints (entry N + n·M + m).
+    entries = torch.cat([torch.nonzero(finals.flatten() >= 0).flatten(), N + torch.nonzero(written.flatten()).flatten()])
+    slots = torch.cat([finals.flatten(), indices.flatten()])[entries]
+    ordered, order = torch.sort(slots, stable=True)
+    same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
+    if not same.numel():
+        return
+    first, second = sorted(int(entries[order[int(same[0]) + k]]) for k in (0, 1))
+
+    def name(entry: int) -> str:
+        if entry < N:
+            return f"state_indices[{entry}] (sequence {entry}'s final state)"
+        n, m = divmod(entry - N, M)
+        return f"checkpoint_indices[{n}, {m}]"
+
+    raise ValueError(f"{name(first)} and {name(second)} both write slot {int(ordered[int(same[0])])}; each slot may "
+                     "be written once per call (checkpoints and final states are written by different CTAs in no "
+                     "fixed order; a sequence's checkpoint at its very end may share its own final slot)")
 
 
 def sequence_lengths(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int) -> torch.Tensor:
