@@ -1479,6 +1479,31 @@ def test_per_token_duplicates_among_unwritten_entries_are_accepted():
         flash_kda.fwd(**x)
 
 
+@pytest.mark.parametrize("variant", ["in_place", "two_pools", "empty_reader", "own_slot"])
+def test_per_token_starting_slot_written_by_another_sequence(variant):
+    """Varlen (2, 0, 4) with L = 3. In place, a slot that one sequence starts from and another writes is read and
+    written by different CTAs in no fixed order: refused where the host knows the lengths. Two pools are read and
+    written apart; an empty sequence reads nothing; a sequence's own written slot is read before it is written."""
+    x = token_varlen_inputs()
+    x["state_indices"] = torch.tensor([[0, 1, 6], [3, 4, 5], [6, 7, 2]])  # sequence 0 starts from slot 6 ...
+    x["num_accepted_tokens"] = torch.tensor([3, 1, 1])  # ... which sequence 2 writes (its token 0)
+    if variant != "two_pools":
+        x["final_state"] = x["initial_state"]
+    if variant == "empty_reader":
+        x["state_indices"] = torch.tensor([[0, 1, 2], [3, 6, 5], [6, 7, 4]])
+        x["num_accepted_tokens"] = torch.tensor([3, 2, 1])  # sequence 1 (no token) names slot 6
+    if variant == "own_slot":
+        x["num_accepted_tokens"] = torch.tensor([2, 1, 1])  # sequence 0 starts from its own slot 1
+    if variant != "in_place":
+        flash_kda.fwd(**x)
+        return
+    with pytest.raises(ValueError, match=re.escape("state_indices[0, 2] = 6, sequence 0's starting slot, is written by "
+                                                   "state_indices[2, 0] (another sequence's token state)")):
+        flash_kda.fwd(**x)
+    with pytest.raises(ValueError, match=re.escape("state_indices[0, 2] = 6, sequence 0's starting slot")):
+        validation.check_token_state_reads(x["state_indices"], torch.tensor([2, 0, 4]), x["num_accepted_tokens"])
+
+
 def test_check_state_indices_per_token():
     indices = torch.tensor([[0, 5, -1], [2, -1, 5], [-1, -1, 4]])
     with pytest.raises(ValueError, match=re.escape("state_indices[0, 1] and state_indices[1, 2] both name slot 5")):

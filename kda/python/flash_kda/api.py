@@ -98,8 +98,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     recurrence, the decode kernel's arithmetic, whatever the plan that computes ``out``. The pools are required as
     for [N] indices, and ``final_state`` too (the pool written; pass ``initial_state`` itself to write in place);
     ``num_accepted_tokens`` is refused without [N, L] indices. Two written entries naming one slot leave an
-    unspecified state there. On the CPU the contents are checked (every index < P; no slot written twice where
-    the host knows which entries are written: fixed-length batches or a CPU ``cu_seqlens``; every a_n in [1, L])
+    unspecified state there, and so, in place, does a starting slot that another sequence writes (for the sequence
+    that reads it). On the CPU the contents are checked (every index < P; no slot written twice, and in place no
+    starting slot written by another sequence, where the host knows which entries are written: fixed-length
+    batches or a CPU ``cu_seqlens``; every a_n in [1, L])
     and copied into the workspace like ``state_indices`` [N]; a CUDA ``num_accepted_tokens`` is read by the
     kernels, where an a_n outside [1, L] means no starting slot (zeros) and ``flash_kda.last_error()`` reports it.
 

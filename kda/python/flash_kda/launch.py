@@ -22,6 +22,7 @@ from flash_kda.validation import (
     check_cu_seqlens,
     check_num_accepted_tokens,
     check_state_indices,
+    check_token_state_reads,
     checked_cu_seqlens,
     cu_seqlens_on_host,
     pool_slots,
@@ -66,6 +67,11 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
             accepted_on_host = num_accepted_tokens.device.type == "cpu"
             if accepted_on_host:
                 check_num_accepted_tokens(num_accepted_tokens, state_tokens)  # on the host: free there
+        in_place = (initial_state is not None and final_state is not None
+                    and initial_state.data_ptr() == final_state.data_ptr())
+        if (state_tokens and in_place and indices_on_host and lengths is not None
+                and (num_accepted_tokens is None or accepted_on_host)):
+            check_token_state_reads(state_indices, lengths, num_accepted_tokens)
         if checkpoint_indices is not None and checkpoint_indices.device.type == "cpu":
             # (the CPU path's: CUDA calls take CUDA ones). Which checkpoints are written needs the lengths.
             known = indices_on_host and (cu_seqlens is None or cu_seqlens.device.type == "cpu")

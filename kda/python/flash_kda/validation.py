@@ -15,7 +15,7 @@ import os
 import torch
 
 __all__ = ["validate", "well_formed", "first_requiring_grad", "check_cu_seqlens", "check_state_indices",
-           "check_num_accepted_tokens", "check_checkpoint_indices", "sequence_lengths", "check_arch",
+           "check_num_accepted_tokens", "check_token_state_reads", "check_checkpoint_indices", "sequence_lengths", "check_arch",
            "device_capability", "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM",
            "LOWER_BOUND_RANGE", "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
 
@@ -596,6 +596,43 @@ def check_state_indices(state_indices: torch.Tensor, pool_slots: int, writes: bo
             f"{_entry(indices, first)} and {_entry(indices, second)} both name slot {int(flat[first])}; each "
             "slot may be written once (the state after token t of sequence n goes to state_indices[n, t] for "
             "t < min(L, the sequence's length))"
+        )
+
+
+def check_token_state_reads(state_indices: torch.Tensor, lengths: torch.Tensor,
+                            num_accepted_tokens: torch.Tensor | None) -> None:
+    """With per-token ``state_indices`` [N, L] and one pool in place: refuses a starting slot that another sequence
+    writes (the host check of the CPU path; on CUDA such a slot is read and written by different CTAs in no fixed
+    order, so the reading sequence's result is unspecified). Sequence n starts from slot ``state_indices[n, a_n -
+    1]`` (a_n = ``num_accepted_tokens[n]``, 1 without it) if it has a token; entries (n', t) with t < min(L,
+    lengths[n']) are written. Two pools are read and written apart: no check is needed then.
+
+    Raises ValueError naming the starting entry and the other sequence's written entry."""
+    indices = state_indices.detach().to("cpu", torch.int64)
+    N, L = indices.shape
+    lengths = lengths.to("cpu", torch.int64).view(N)
+    accepted = (torch.ones(N, dtype=torch.int64) if num_accepted_tokens is None
+                else num_accepted_tokens.detach().to("cpu", torch.int64).view(N))
+    written = (indices >= 0) & (torch.arange(L).view(1, L) < lengths.view(N, 1))
+    where = torch.nonzero(written.flatten()).flatten()  # flat entries n·L + t (distinct slots: check_state_indices)
+    slots, order = torch.sort(indices.flatten()[where])
+    # Each reading sequence's starting entry: it has a token and a count in [1, L] (else nothing is read).
+    readers = torch.nonzero((lengths > 0) & (accepted >= 1) & (accepted <= L)).flatten()
+    if not readers.numel() or not slots.numel():
+        return
+    starts = indices[readers, accepted[readers] - 1]
+    at = torch.searchsorted(slots, starts).clamp(max=slots.numel() - 1)
+    writer = where[order[at]]
+    clash = torch.nonzero((starts >= 0) & (slots[at] == starts) & (writer // L != readers)).flatten()
+    if clash.numel():
+        i = int(clash[0])
+        n, a, slot = int(readers[i]), int(accepted[readers[i]]), int(starts[i])
+        other_n, other_t = divmod(int(writer[i]), L)
+        raise ValueError(
+            f"state_indices[{n}, {a - 1}] = {slot}, sequence {n}'s starting slot, is written by "
+            f"state_indices[{other_n}, {other_t}] (another sequence's token state); with initial_state and "
+            "final_state one pool, a slot one sequence starts from may not be written by another (their CTAs "
+            "read and write it in no fixed order)"
         )
 
 
