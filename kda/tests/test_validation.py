@@ -1501,7 +1501,8 @@ def test_per_token_starting_slot_written_by_another_sequence(variant):
                                                    "state_indices[2, 0] (another sequence's token state)")):
         flash_kda.fwd(**x)
     with pytest.raises(ValueError, match=re.escape("state_indices[0, 2] = 6, sequence 0's starting slot")):
-        validation.check_token_state_reads(x["state_indices"], torch.tensor([2, 0, 4]), x["num_accepted_tokens"])
+        validation.check_token_state_reads(x["state_indices"], TOKEN_P, torch.tensor([2, 0, 4]),
+                                           x["num_accepted_tokens"])
 
 
 def test_check_state_indices_per_token():

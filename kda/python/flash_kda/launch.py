@@ -71,7 +71,7 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                     and initial_state.data_ptr() == final_state.data_ptr())
         if (state_tokens and in_place and indices_on_host and lengths is not None
                 and (num_accepted_tokens is None or accepted_on_host)):
-            check_token_state_reads(state_indices, lengths, num_accepted_tokens)
+            check_token_state_reads(state_indices, P, lengths, num_accepted_tokens)
         if checkpoint_indices is not None and checkpoint_indices.device.type == "cpu":
             # (the CPU path's: CUDA calls take CUDA ones). Which checkpoints are written needs the lengths.
             known = indices_on_host and (cu_seqlens is None or cu_seqlens.device.type == "cpu")

@@ -599,13 +599,14 @@ def check_state_indices(state_indices: torch.Tensor, pool_slots: int, writes: bo
         )
 
 
-def check_token_state_reads(state_indices: torch.Tensor, lengths: torch.Tensor,
+def check_token_state_reads(state_indices: torch.Tensor, pool_slots: int, lengths: torch.Tensor,
                             num_accepted_tokens: torch.Tensor | None) -> None:
     """With per-token ``state_indices`` [N, L] and one pool in place: refuses a starting slot that another sequence
     writes (the host check of the CPU path; on CUDA such a slot is read and written by different CTAs in no fixed
     order, so the reading sequence's result is unspecified). Sequence n starts from slot ``state_indices[n, a_n -
     1]`` (a_n = ``num_accepted_tokens[n]``, 1 without it) if it has a token; entries (n', t) with t < min(L,
-    lengths[n']) are written. Two pools are read and written apart: no check is needed then.
+    lengths[n']) are written, each in a slot of its own (``check_state_indices`` first). Two pools are read and
+    written apart: no check is needed then.
 
     Raises ValueError naming the starting entry and the other sequence's written entry."""
     indices = state_indices.detach().to("cpu", torch.int64)
@@ -614,23 +615,20 @@ def check_token_state_reads(state_indices: torch.Tensor, lengths: torch.Tensor,
     accepted = (torch.ones(N, dtype=torch.int64) if num_accepted_tokens is None
                 else num_accepted_tokens.detach().to("cpu", torch.int64).view(N))
     written = (indices >= 0) & (torch.arange(L).view(1, L) < lengths.view(N, 1))
-    where = torch.nonzero(written.flatten()).flatten()  # flat entries n·L + t (distinct slots: check_state_indices)
-    slots, order = torch.sort(indices.flatten()[where])
-    # Each reading sequence's starting entry: it has a token and a count in [1, L] (else nothing is read).
-    readers = torch.nonzero((lengths > 0) & (accepted >= 1) & (accepted <= L)).flatten()
-    if not readers.numel() or not slots.numel():
-        return
-    starts = indices[readers, accepted[readers] - 1]
-    at = torch.searchsorted(slots, starts).clamp(max=slots.numel() - 1)
-    writer = where[order[at]]
-    clash = torch.nonzero((starts >= 0) & (slots[at] == starts) & (writer // L != readers)).flatten()
+    # The writing entry n·L + t of each slot (-1: none); slot P is a sink for the unwritten entries.
+    writer = torch.full((pool_slots + 1,), -1, dtype=torch.int64)
+    writer[torch.where(written, indices, pool_slots)] = torch.where(written, torch.arange(N * L).view(N, L), -1)
+    # Each reading sequence's starting slot: it has a token and a count in [1, L] (else nothing is read).
+    reads = (lengths > 0) & (accepted >= 1) & (accepted <= L)
+    starts = indices.gather(1, (accepted.clamp(1, L) - 1).view(N, 1)).view(N)
+    by = writer[torch.where(reads & (starts >= 0), starts, pool_slots)]
+    clash = torch.nonzero((by >= 0) & (by // L != torch.arange(N))).flatten()
     if clash.numel():
-        i = int(clash[0])
-        n, a, slot = int(readers[i]), int(accepted[readers[i]]), int(starts[i])
-        other_n, other_t = divmod(int(writer[i]), L)
+        n = int(clash[0])
+        other_n, other_t = divmod(int(by[n]), L)
         raise ValueError(
-            f"state_indices[{n}, {a - 1}] = {slot}, sequence {n}'s starting slot, is written by "
-            f"state_indices[{other_n}, {other_t}] (another sequence's token state); with initial_state and "
+            f"state_indices[{n}, {int(accepted[n]) - 1}] = {int(starts[n])}, sequence {n}'s starting slot, is written "
+            f"by state_indices[{other_n}, {other_t}] (another sequence's token state); with initial_state and "
             "final_state one pool, a slot one sequence starts from may not be written by another (their CTAs "
             "read and write it in no fixed order)"
         )
