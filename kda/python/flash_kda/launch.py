@@ -57,26 +57,24 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         indices_on_host = state_indices.device.type == "cpu"
         if state_indices.dim() == 2:
             state_tokens = state_indices.shape[1]  # L: per-token states
+        # Which per-token entries and checkpoints are written is known on the host from fixed lengths or a CPU
+        # cu_seqlens (a CUDA one is not read: no check that needs them then).
+        lengths = (sequence_lengths(cu_seqlens, B, T)
+                   if indices_on_host and (state_tokens or checkpoint_indices is not None)
+                   and (cu_seqlens is None or cu_seqlens.device.type == "cpu") else None)
         if indices_on_host:
-            # on the host: free there. Per-token slots: which entries are written is known from fixed lengths or a
-            # CPU cu_seqlens (a CUDA one is not read: no duplicate check then).
-            lengths = (sequence_lengths(cu_seqlens, B, T)
-                       if state_tokens and (cu_seqlens is None or cu_seqlens.device.type == "cpu") else None)
-            check_state_indices(state_indices, P, final_state is not None, lengths)
+            check_state_indices(state_indices, P, final_state is not None, lengths if state_tokens else None)
         if num_accepted_tokens is not None:
             accepted_on_host = num_accepted_tokens.device.type == "cpu"
             if accepted_on_host:
                 check_num_accepted_tokens(num_accepted_tokens, state_tokens)  # on the host: free there
         in_place = (initial_state is not None and final_state is not None
                     and initial_state.data_ptr() == final_state.data_ptr())
-        if (state_tokens and in_place and indices_on_host and lengths is not None
-                and (num_accepted_tokens is None or accepted_on_host)):
+        if state_tokens and in_place and lengths is not None and (num_accepted_tokens is None or accepted_on_host):
             check_token_state_reads(state_indices, P, lengths, num_accepted_tokens)
         if checkpoint_indices is not None and checkpoint_indices.device.type == "cpu":
-            # (the CPU path's: CUDA calls take CUDA ones). Which checkpoints are written needs the lengths.
-            known = indices_on_host and (cu_seqlens is None or cu_seqlens.device.type == "cpu")
-            check_checkpoint_indices(checkpoint_indices, P, state_indices if known else None,
-                                     sequence_lengths(cu_seqlens, B, T) if known else None, checkpoint_every)
+            # (the CPU path's: CUDA calls take CUDA ones)
+            check_checkpoint_indices(checkpoint_indices, P, state_indices, lengths, checkpoint_every)
 
     # --- nothing to compute: no launch with an empty grid, but final_state is still defined (per-token states: no
     # token, so no state is written).

@@ -15,7 +15,8 @@ import os
 import torch
 
 __all__ = ["validate", "well_formed", "first_requiring_grad", "check_cu_seqlens", "check_state_indices",
-           "check_num_accepted_tokens", "check_token_state_reads", "check_checkpoint_indices", "sequence_lengths", "check_arch",
+           "check_num_accepted_tokens", "check_token_state_reads", "check_checkpoint_indices", "sequence_lengths",
+           "check_arch",
            "device_capability", "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM",
            "LOWER_BOUND_RANGE", "PARAM_TYPES", "GATE_CODES", "CHECK_CU_SEQLENS_ENV"]
 
@@ -583,10 +584,9 @@ def check_state_indices(state_indices: torch.Tensor, pool_slots: int, writes: bo
         steps = torch.arange(L).view(1, L)
         written &= (steps < lengths.to("cpu", torch.int64).view(N, 1)).flatten()
     valid = torch.nonzero(written).flatten()
-    ordered, order = torch.sort(flat[valid], stable=True)
-    same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
-    if same.numel():
-        first, second = sorted((int(valid[order[int(same[0])]]), int(valid[order[int(same[0]) + 1]])))
+    repeat = _first_repeat(flat[valid])
+    if repeat is not None:
+        first, second = sorted(int(valid[i]) for i in repeat)
         if indices.dim() == 1:
             raise ValueError(
                 f"state_indices[{first}] and state_indices[{second}] both name slot {int(flat[first])}; with "
@@ -632,6 +632,16 @@ def check_token_state_reads(state_indices: torch.Tensor, pool_slots: int, length
             "final_state one pool, a slot one sequence starts from may not be written by another (their CTAs "
             "read and write it in no fixed order)"
         )
+
+
+def _first_repeat(slots: torch.Tensor) -> tuple[int, int] | None:
+    """The positions in ``slots`` (1-D) of the smallest value that occurs twice, its first two in order; None if
+    every value occurs once."""
+    ordered, order = torch.sort(slots, stable=True)
+    same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
+    if not same.numel():
+        return None
+    return int(order[int(same[0])]), int(order[int(same[0]) + 1])
 
 
 def _entry(indices: torch.Tensor, flat_index: int) -> str:
@@ -705,11 +715,10 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int,
     # Every write as (slot, entry): final states first (entry n), then the written checkpoints (entry N + n·M + m).
     entries = torch.cat([torch.nonzero(finals.flatten() >= 0).flatten(), N + torch.nonzero(written.flatten()).flatten()])
     slots = torch.cat([finals.flatten(), indices.flatten()])[entries]
-    ordered, order = torch.sort(slots, stable=True)
-    same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
-    if not same.numel():
+    repeat = _first_repeat(slots)
+    if repeat is None:
         return
-    first, second = sorted(int(entries[order[int(same[0]) + k]]) for k in (0, 1))
+    first, second = sorted(int(entries[i]) for i in repeat)
 
     def name(entry: int) -> str:
         if entry < N:
@@ -717,7 +726,7 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int,
         n, m = divmod(entry - N, M)
         return f"checkpoint_indices[{n}, {m}]"
 
-    raise ValueError(f"{name(first)} and {name(second)} both write slot {int(ordered[int(same[0])])}; each slot may "
+    raise ValueError(f"{name(first)} and {name(second)} both write slot {int(slots[repeat[0]])}; each slot may "
                      "be written once per call (checkpoints and final states are written by different CTAs in no "
                      "fixed order; a sequence's checkpoint at its very end may share its own final slot)")
 
