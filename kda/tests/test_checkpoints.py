@@ -49,6 +49,7 @@ class CheckpointCase:
     pool_dtype: str = "bf16"
     in_place: bool = False
     negative: bool = False  # about a fifth of the entries negative (no checkpoint)
+    own_slot: bool = False  # one checkpoint before each sequence's end names the sequence's own final slot
     index_dtype: torch.dtype = torch.int32
     gate: str = "lower_bound"
     G: int = 1
@@ -104,12 +105,23 @@ CASES = [
     CheckpointCase("decode_C16_varlen", C=16, seqlens=(50, 7, 33, 0, 16), plan=dict(decode=True)),
     CheckpointCase("decode_C32_B3_T70_fp32_in_place", C=32, B=3, T=70, pool_dtype="fp32", in_place=True,
                    negative=True, plan=dict(decode=True)),
+    # a checkpoint in its own sequence's final slot, before the end: the slot keeps the final state (under the time
+    # split another CTA writes that checkpoint; the automatic plan of T2064 H4 splits into segments of 32 chunks)
+    CheckpointCase("tsplit32_C512_T2064_own_final_slot_in_place", C=512, T=2064, in_place=True, own_slot=True,
+                   plan=dict(segment_chunks=32)),
+    CheckpointCase("single_pass_C16_B2_T100_own_final_slot", C=16, B=2, T=100, own_slot=True,
+                   plan=dict(single_pass=True)),
+    CheckpointCase("decode_chunk_step_C16_B3_T70_own_final_slot", C=16, B=3, T=70, own_slot=True,
+                   plan=dict(decode=True)),
+    CheckpointCase("decode_tokens_C16_varlen_own_final_slot", C=16, seqlens=(40, 5, 3, 0, 1), own_slot=True,
+                   plan=dict(decode=True)),
 ]
 
 
 def _inputs(case: CheckpointCase) -> dict:
     """matrix.make_inputs for the case's pool, with checkpoint_indices [N, M] (CUDA) naming distinct slots that
-    state_indices does not name (a fifth of them -1 with ``negative``)."""
+    state_indices does not name (a fifth of them -1 with ``negative``; with ``own_slot``, the middle one of the
+    checkpoints before each sequence's end names the sequence's own slot)."""
     x = matrix.make_inputs(case.matrix_case, "cuda")
     N, M = len(case.lengths), case.M
     P = x["initial_state"].shape[0]
@@ -119,6 +131,11 @@ def _inputs(case: CheckpointCase) -> dict:
     slots = free[torch.randperm(free.numel(), generator=host)[: N * M]].view(N, M)
     if case.negative:
         slots[torch.rand(N, M, generator=host) < 0.2] = -1
+    if case.own_slot:
+        for n, length in enumerate(case.lengths):
+            before_end = (length - 1) // case.C  # checkpoints m with (m + 1)·C < length
+            if before_end > 0:
+                slots[n, before_end // 2] = int(x["state_indices"][n])
     x["checkpoint_indices"] = slots.to(case.index_dtype).cuda()
     x["checkpoint_every"] = case.C
     return x

@@ -108,9 +108,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     Prefix-cache checkpoints (``checkpoint_indices`` [N, M] with ``checkpoint_every`` = C, pooled states only):
     the state after the first (m + 1)·C tokens of sequence n is written to pool slot ``checkpoint_indices[n, m]``
     of ``final_state`` for every m < M with (m + 1)·C <= its length, in the pool's dtype. Each slot is written at
-    most once per call: a slot named by two written checkpoints, or by a written checkpoint and a final state, is
-    left unspecified (the kernels write them from different CTAs in no fixed order), except that a sequence's
-    checkpoint at its very end may name its own final slot (the two are the same bits). Positions count from the
+    most once per call: a slot named by two written checkpoints, or by a written checkpoint and another sequence's
+    final state, is left unspecified (the kernels write them from different CTAs in no fixed order). A checkpoint
+    that names its own sequence's final slot is not written: the slot keeps the final state. Positions count from the
     sequence's first token in this call, so a call that continues a sequence from a checkpoint starts at a multiple
     of C. A negative entry writes nothing; an entry >= P writes nothing, and ``flash_kda.last_error()`` names it (a
     CPU ``checkpoint_indices``, on the CPU path, is checked before the call, slots written twice included). Every

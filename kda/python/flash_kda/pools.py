@@ -14,8 +14,8 @@ starting slot (zeros). No final state is written apart from these.
 Checkpoints (prefix caching): with ``checkpoint_indices`` [N, M] and ``checkpoint_every`` = C beside ``state_indices``
 [N], the state of sequence n after its first (m+1)·C tokens goes to slot ``checkpoint_indices[n, m]`` for every m
 with (m+1)·C <= its length; a negative entry, or one past the pool, writes nothing. Checkpoints are written before
-the final states here, so a sequence's final state wins where it shares a slot with a checkpoint (``fwd`` leaves
-such a slot unspecified on CUDA, and its CPU path refuses it, unless the checkpoint is at the sequence's very end).
+the final states here, so a sequence's final state wins where it shares a slot with one of its checkpoints, as in
+``fwd`` (a slot shared across sequences is unspecified there on CUDA, and its CPU path refuses it).
 """
 
 from __future__ import annotations

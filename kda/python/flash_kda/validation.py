@@ -693,10 +693,10 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int,
 
     Raises ValueError naming the first entry past the pool (>= P) as ``checkpoint_indices[n, m]``; then, with
     ``state_indices`` and ``lengths`` given, the first two writes of one slot: two written checkpoints
-    ((m + 1)·C <= lengths[n]), or a written checkpoint and another final state (``state_indices[n']``), name one
-    slot. The kernels write them from different CTAs in no fixed order (two sequences, or two segments of one
-    sequence under the time split), so such a slot would be unspecified. A sequence's checkpoint at its very end
-    may share its own final slot: both are the same bits, written by the same CTA.
+    ((m + 1)·C <= lengths[n]), or a written checkpoint and another sequence's final state (``state_indices[n']``),
+    name one slot. The kernels write them from different CTAs in no fixed order (two sequences, or two segments of
+    one sequence under the time split), so such a slot would be unspecified. A checkpoint may name its own
+    sequence's final slot: the kernels leave that slot to the final state.
     """
     indices = checkpoint_indices.detach().to("cpu", torch.int64)
     past = torch.nonzero(indices.flatten() >= pool_slots)
@@ -711,7 +711,7 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int,
     finals = state_indices.detach().to("cpu", torch.int64).view(N, 1)
     tokens = checkpoint_every * torch.arange(1, M + 1).view(1, M)
     lengths = lengths.to("cpu", torch.int64).view(N, 1)
-    written = (indices >= 0) & (tokens <= lengths) & ~((tokens == lengths) & (indices == finals))
+    written = (indices >= 0) & (tokens <= lengths) & (indices != finals)  # (own final slot: the final state's)
     # Every write as (slot, entry): final states first (entry n), then the written checkpoints (entry N + n·M + m).
     entries = torch.cat([torch.nonzero(finals.flatten() >= 0).flatten(), N + torch.nonzero(written.flatten()).flatten()])
     slots = torch.cat([finals.flatten(), indices.flatten()])[entries]
@@ -728,7 +728,7 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int,
 
     raise ValueError(f"{name(first)} and {name(second)} both write slot {int(slots[repeat[0]])}; each slot may "
                      "be written once per call (checkpoints and final states are written by different CTAs in no "
-                     "fixed order; a sequence's checkpoint at its very end may share its own final slot)")
+                     "fixed order; a checkpoint may name its own sequence's final slot, which keeps the final state)")
 
 
 def sequence_lengths(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int) -> torch.Tensor:
