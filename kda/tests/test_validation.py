@@ -1927,11 +1927,22 @@ def test_checkpoint_indices_need_final_state():
                       final_state=None)
 
 
-@pytest.mark.parametrize("every", [True, False, 16.0, "16", None, torch.tensor(16)], ids=repr)
+@pytest.mark.parametrize("every", [True, False, 16.0, "16", None, torch.tensor(16), np.float64(16), np.bool_(True)],
+                         ids=repr)
 def test_checkpoint_every_must_be_an_int(every):
     checkpoint_raises(TypeError, re.escape(f"checkpoint_every must be an int (tokens between checkpoints), got "
                                            f"checkpoint_every={every!r} of type(checkpoint_every)={type(every)!r}"),
                       checkpoint_every=every)
+
+
+@pytest.mark.parametrize("every", [np.int64(16), np.int32(16), np.uint16(16)], ids=repr)
+def test_checkpoint_every_may_be_a_numpy_integer(every):
+    """A NumPy integer (e.g. read from a config array) is taken as the int it holds: the same call, the same bits."""
+    x = checkpoint_inputs(every=every)
+    plain = {**x, "checkpoint_every": 16, "out": x["out"].clone(), "final_state": x["final_state"].clone()}
+    flash_kda.fwd(**x)
+    flash_kda.fwd(**plain)
+    assert torch.equal(x["final_state"], plain["final_state"]) and torch.equal(x["out"], plain["out"])
 
 
 @pytest.mark.parametrize("every", [0, 8, 15, 17, 24, -16, 1000])

@@ -8,6 +8,8 @@ error word, the extension call); ``ops`` is the operator torch.compile traces.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from flash_kda.launch import last_error, reserve_workspace
@@ -70,7 +72,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     | allow_neg_eigval | bool | — | β = 2·sigmoid(beta) instead of sigmoid(beta) (keyword only; default False) |
     | num_accepted_tokens | None / int64 / int32 | [N] | with state_indices [N, L] only: a_n, sequence n starts from slot state_indices[n, a_n − 1] (keyword only; None: a_n = 1); may be on the CPU |
     | checkpoint_indices | None / int64 / int32 | [N, M] | with pooled states (state_indices [N]): the pool slot of the state after the first (m + 1)·C tokens of sequence n (keyword only; below); on q's device |
-    | checkpoint_every | int | — | C, a multiple of 16, with checkpoint_indices (keyword only; default 0: none) |
+    | checkpoint_every | int (or a NumPy integer) | — | C, a multiple of 16, with checkpoint_indices (keyword only; default 0: none) |
 
     K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
     bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
@@ -132,6 +134,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     CPU: the fp32 chunked PyTorch path computes the same function (slow, for testing and portability); the
     contents of ``cu_seqlens`` are validated there.
     """
+    if type(checkpoint_every) is not int and isinstance(checkpoint_every, numbers.Integral) and not isinstance(
+            checkpoint_every, (bool, torch.SymInt)):
+        checkpoint_every = int(checkpoint_every)  # a NumPy integer (as scale takes NumPy numbers)
     if torch.compiler.is_compiling():
         # Traced as one opaque operator (flash_kda/ops.py): the body below reads data pointers, which fake tensors
         # do not have, and would break the graph.
