@@ -2,8 +2,7 @@
 // completed a multiple of C tokens goes to its checkpoint slot (state_slots.cuh, checkpoint_slot; kda_params.h).
 // The finishing pass (every plan with a finishing pass: two stages, the time split's segments, the overlap) and the
 // single pass hand it to run_chunks as the step's chunk_end; the decode kernels write their own (decode.cu,
-// decode_chunk.cu). A checkpoint that names the sequence's own final slot is not written: under the time split the
-// final state comes from another CTA, in no fixed order with this one, and the final state is what the slot keeps.
+// decode_chunk.cu). None is written into the sequence's own final slot (checkpoint_slot).
 #pragma once
 
 #include <cstdint>
@@ -38,10 +37,8 @@ struct CheckpointWriter {
     if (chunks != next) return;
     next += p.checkpoint_chunks;
     if (chunks * kChunk > len) return;
-    const int64_t slot = checkpoint_slot(p, n, chunks);
-    if (slot >= 0 && slot != state_slot(p, n)) {
-      store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
-    }
+    const int64_t slot = checkpoint_slot(p, n, chunks, state_slot(p, n));
+    if (slot >= 0) store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
   }
 };
 

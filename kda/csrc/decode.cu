@@ -292,11 +292,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
         const int64_t ts = token_slot(p, it.n, t - b.bos);
         if (ts >= 0) store_rows(static_cast<FinalT*>(p.final_state) + item_offset(p, ts, it), s);
       }
-      // Checkpoints: the state after every C tokens into its checkpoint slot (state_slots.cuh, checkpoint_slot);
-      // one in the sequence's own final slot is left to the final state (checkpoint_writer.cuh).
+      // Checkpoints: the state after every C tokens into its checkpoint slot (state_slots.cuh, checkpoint_slot).
       if (kCheckpoints && ((t - b.bos + 1) & (kChunk - 1)) == 0) {
-        const int64_t cs = checkpoint_slot(p, it.n, (t - b.bos + 1) / kChunk);
-        if (cs >= 0 && cs != slot && p.final_state != nullptr) {
+        const int64_t cs = checkpoint_slot(p, it.n, (t - b.bos + 1) / kChunk, slot);
+        if (cs >= 0 && p.final_state != nullptr) {
           store_rows(static_cast<FinalT*>(p.final_state) + item_offset(p, cs, it), s);
         }
       }

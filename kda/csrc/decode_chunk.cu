@@ -487,12 +487,11 @@ __global__ void __launch_bounds__(kStepThreads, 2) kda_decode_chunk_kernel(const
       s[i][2] = __fmul_rn(s[i][2], d0), s[i][3] = __fmul_rn(s[i][3], d1);
       split_mma(s[i], a_hi, a_lo, &sm.e_hi[8 * i + g][2 * q4], &sm.e_lo[8 * i + g][2 * q4]);
     }
-    // Checkpoints: the state after every C = 16·checkpoint_chunks tokens into its slot (state_slots.cuh); one in
-    // the sequence's own final slot is left to the final state (which a bf16 state writes by bulk copies, in no
-    // order with these generic stores).
+    // Checkpoints: the state after every C = 16·checkpoint_chunks tokens into its slot (state_slots.cuh; none in
+    // the sequence's own final slot, which a bf16 state's bulk copies write in no order with these stores).
     if (kCheckpoints && len == kChunk && p.final_state != nullptr) {
-      const int64_t cs = checkpoint_slot(p, n, (c0 - bounds.bos) / kChunk + 1);
-      if (cs >= 0 && cs != slot) store_state(cs);
+      const int64_t cs = checkpoint_slot(p, n, (c0 - bounds.bos) / kChunk + 1, slot);
+      if (cs >= 0) store_state(cs);
     }
     // (The next chunk writes its tokens before its first barrier, and the operands read here only after it.)
   }

@@ -69,16 +69,17 @@ __device__ __forceinline__ int64_t token_slot(const FwdParams& p, int64_t n, int
 }
 
 // The slot of sequence n's checkpoint after `chunks` chunks (chunks >= 1; the state after chunks·16 tokens, which
-// the caller has checked are within the sequence), or -1: not a checkpoint, none asked for, or a negative or
-// out-of-pool entry (kda_params.h).
-__device__ __forceinline__ int64_t checkpoint_slot(const FwdParams& p, int64_t n, int64_t chunks) {
+// the caller has checked are within the sequence), or -1: not a checkpoint, none asked for, a negative or
+// out-of-pool entry (kda_params.h), or the sequence's own final slot `final_slot` (state_slot), which keeps the
+// final state: under the time split another CTA writes that, in no fixed order with this checkpoint.
+__device__ __forceinline__ int64_t checkpoint_slot(const FwdParams& p, int64_t n, int64_t chunks, int64_t final_slot) {
   if (p.checkpoint_chunks <= 0 || chunks % p.checkpoint_chunks != 0) return -1;
   const int64_t m = chunks / p.checkpoint_chunks - 1;
   if (m >= p.checkpoint_cols) return -1;
   const int64_t i = n * p.checkpoint_cols + m;
   const int64_t slot = p.checkpoint_indices_is_int64 ? static_cast<const int64_t*>(p.checkpoint_indices)[i]
                                                      : static_cast<const int32_t*>(p.checkpoint_indices)[i];
-  return slot >= 0 && slot < p.pool_slots ? slot : -1;
+  return slot >= 0 && slot < p.pool_slots && slot != final_slot ? slot : -1;
 }
 
 // Element offset of head h's state in slot `slot` (>= 0) of a state tensor [slots, H, V, K].

@@ -135,7 +135,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     contents of ``cu_seqlens`` are validated there.
     """
     if type(checkpoint_every) is not int and isinstance(checkpoint_every, numbers.Integral) and not isinstance(
-            checkpoint_every, (bool, torch.SymInt)):
+            checkpoint_every, bool):
         checkpoint_every = int(checkpoint_every)  # a NumPy integer (as scale takes NumPy numbers)
     if torch.compiler.is_compiling():
         # Traced as one opaque operator (flash_kda/ops.py): the body below reads data pointers, which fake tensors
