@@ -3,7 +3,8 @@
 A 32-bit offset would wrap past 2,147,483,648 elements, which a 1M-token sequence reaches at 16 heads (q alone:
 T · H · 128 elements) and a pool of bf16 states at 8,192 slot-heads. Heads are independent, so each case checks the
 big call against calls that hold one head (or, for pools, dense states gathered from the pool) under the same
-forced plan, bit for bit; the last heads and slots are the ones a wrapped offset would corrupt.
+forced plan, bit for bit. A wrapped offset would corrupt every head's tokens past the 2^31st element of q (tokens
+are the outer index of [B, T, H, K]) and the pool's top slots, where the indices point.
 
 GPU only (``gpu``); the largest case holds about 70 GB of GPU memory, so the target runs alone (``exclusive``).
 """
