@@ -5,7 +5,8 @@
 #   tools/dev/ncu_kernels.sh OUT_DIR CASE_NAME [KERNEL_REGEX]     e.g. tools/dev/ncu_kernels.sh /tmp/n "T8192 H16"
 #
 # Writes OUT_DIR/<kernel>.txt (the details page: throughput, occupancy, warp stall reasons) and
-# OUT_DIR/<kernel>_sass.csv (per-instruction stall samples, for reading where a step waits).
+# OUT_DIR/<kernel>_sass.csv (per-instruction stall samples, for reading where a step waits; summed by
+# tools/dev/ncu_stalls.py).
 set -uo pipefail
 out="${1:?usage: ncu_kernels.sh OUT_DIR CASE_NAME [KERNEL_REGEX]}"
 case_name="${2:?case name, a substring of a bench_fwd case}"
