@@ -1,7 +1,8 @@
 """Where a kernel's warps wait, from the per-instruction page that tools/dev/ncu_kernels.sh writes (a development
 count, not a test): the stall reasons' shares of all samples, the instructions executed per work unit by opcode,
 and the samples and instructions of each block of consecutive instructions executed equally often (a loop body,
-an item's start, a branch's path), so that a loop's serial points show up beside its arithmetic.
+an item's start, a branch's path; blocks run less than half a time per unit are left out), so that a loop's serial
+points show up beside its arithmetic.
 
   python3 tools/dev/ncu_stalls.py OUT/kda_decode_kernel_sass.csv --units 16384
       (--units: warps times items per warp, e.g. 8,192 items x 2 warps; counts are printed per unit)
@@ -11,16 +12,9 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import re
 import sys
 
-_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
-
-
-def opcode(source: str) -> str:
-    """`@!P0 FFMA.FTZ R1, ...` -> FFMA."""
-    text = _PREDICATE.sub("", source.strip())
-    return text.split()[0].split(".")[0] if text else "?"
+from sass_loops import opcode  # (beside this file: `@!P0 FFMA.FTZ R1, ...` -> FFMA)
 
 
 def read_page(path: str) -> tuple[list[str], list[list[str]]]:
@@ -62,14 +56,14 @@ def main() -> None:
     # Blocks of consecutive instructions with the same execution count per unit (rounded to 0.1).
     print(f"blocks of up to {args.block} instructions executed equally often: "
           "first-last index, times per unit, % of samples, top stall reasons, top opcodes")
+    times = [round(value(row, executed) / args.units, 1) for row in rows]
     runs: list[list[int]] = []
-    for index, row in enumerate(rows):
-        times = round(value(row, executed) / args.units, 1)
-        if times < 0.5:
+    for index in range(len(rows)):
+        if times[index] < 0.5:
             continue
-        if runs and len(runs[-1]) < args.block and runs[-1][-1] == index - 1 and \
-                round(value(rows[runs[-1][0]], executed) / args.units, 1) == times:
-            runs[-1].append(index)
+        last = runs[-1] if runs else None
+        if last and len(last) < args.block and last[-1] == index - 1 and times[last[0]] == times[index]:
+            last.append(index)
         else:
             runs.append([index])
     for run in runs:
@@ -78,7 +72,7 @@ def main() -> None:
         share = sum(value(rows[i], samples) for i in run) / total_samples
         stalls = collections.Counter({header[c][len("stall_"):]: sum(value(rows[i], c) for i in run) for c in reasons})
         ops = collections.Counter(opcode(rows[i][source]) for i in run)
-        print(f"  {run[0]:5d}-{run[-1]:5d} x{value(rows[run[0]], executed) / args.units:4.1f} {100 * share:5.1f}% "
+        print(f"  {run[0]:5d}-{run[-1]:5d} x{times[run[0]]:4.1f} {100 * share:5.1f}% "
               f"{', '.join(f'{k} {100 * v / reason_total:.1f}' for k, v in stalls.most_common(3))} | "
               f"{', '.join(f'{k} {v}' for k, v in ops.most_common(4))}")
 
