@@ -100,6 +100,7 @@ DECODE_T = (1, 2, 3, 5, 8, 15, 16)
 DECODE_H = (1, 4, 32)
 DECODE_SEQLENS = ((1,), (1, 1, 1, 1), (4,) * 8, (1, 2, 3, 5, 8, 15), (0, 3, 0, 16), (16,) * 3)
 DECODE_BATCHED_BT = ((8, 1), (4, 3), (3, 16))
+DECODE_MANY_SEQLENS = (0, 1, 2, 3, 4, 5, 6, 7) * 160  # 1,280 sequences: 20,480 items at H16
 DECODE_FORCED_MAX_TOKENS = 4096  # longest sequence of a forced_decode case
 TOKEN_STATE_L = (2, 4, 8)
 # (shape, H) of the token_states slice: 0 to 40 tokens per sequence, below, at and above every L.
@@ -265,6 +266,10 @@ class Case:
             seqs = ",".join(map(str, self.seqlens))
             if len(self.seqlens) > 4 and len(set(self.seqlens)) == 1:  # [1024]*8 -> [1024x8]
                 seqs = f"{self.seqlens[0]}x{len(self.seqlens)}"
+            elif len(self.seqlens) > 16:  # a repeated pattern: [0,1,2]*40 -> [(0,1,2)x40]
+                n = len(self.seqlens)
+                period = next(q for q in range(1, n + 1) if n % q == 0 and self.seqlens == self.seqlens[:q] * (n // q))
+                seqs = f"({','.join(map(str, self.seqlens[:period]))})x{n // period}"
             shape = f"varlen_[{seqs}]_H{self.H}"
         elif self.B > 1:
             shape = f"B{self.B}_T{self.T}_H{self.H}"
@@ -496,6 +501,8 @@ def _decode() -> list[Case]:
         cases.append(Case("decode", H=32, B=8, T=1, inplace_state=True, state_dtype=dt))
         cases.append(Case("decode", H=4, seqlens=(3, 0, 16, 1), inplace_state=True, state_dtype=dt))
         cases.append(Case("decode", H=4, seqlens=(1, 2, 3, 5, 8, 15), cu_seqlens_int32=True, state_dtype=dt))
+        # Many more (sequence, head) items than persistent CTAs: each CTA walks dozens of items of 0 to 7 tokens.
+        cases.append(Case("decode", H=16, seqlens=DECODE_MANY_SEQLENS, inplace_state=True, state_dtype=dt))
     for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
         for params in ("fp32", "bf16", "fp16"):
             cases.append(Case("decode", H=4, T=5, state_dtype=init, final_dtype=final, param_dtype=params))
