@@ -269,7 +269,8 @@ class Case:
             elif len(self.seqlens) > 16:  # a repeated pattern: [0,1,2]*40 -> [(0,1,2)x40]
                 n = len(self.seqlens)
                 period = next(q for q in range(1, n + 1) if n % q == 0 and self.seqlens == self.seqlens[:q] * (n // q))
-                seqs = f"({','.join(map(str, self.seqlens[:period]))})x{n // period}"
+                if period < n:
+                    seqs = f"({','.join(map(str, self.seqlens[:period]))})x{n // period}"
             shape = f"varlen_[{seqs}]_H{self.H}"
         elif self.B > 1:
             shape = f"B{self.B}_T{self.T}_H{self.H}"
