@@ -1,6 +1,7 @@
-// One token's preparation as a warp of the decode kernels computes it (decode.cu, decode_chunk.cu): lane l loads
-// channels 4l..4l+3 of q, k and g and computes k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale and α = 2^γ for them, with the
-// chunked plans' instructions (prepare_chunk.cuh, gate.cuh), which the numerics twin re-enacts (_prepare_tokens).
+// One token's preparation as a warp of the decode kernels computes it (decode.cu, decode_chunk.cu,
+// decode_warp_specialised.cu): lane l loads channels 4l..4l+3 of q, k and g and computes k̂ = k / ‖k‖,
+// q̃ = (q / ‖q‖)·scale and α = 2^γ for them, with the chunked plans' instructions (prepare_chunk.cuh, gate.cuh),
+// which the numerics twin re-enacts (_prepare_tokens).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -58,29 +59,60 @@ __device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, in
   return r;
 }
 
-// One token's preparation as lane l computes it: k̂ = k / ‖k‖, q̃ = (q / ‖q‖)·scale and α = 2^γ for channels
-// 4l..4l+3 (the chunked plans' instructions, gate.cuh), β, and v of the row whose sums the lane ends with.
-struct LanePrep {
+// One token's inputs as a lane of a preparing warp reads them (decode_warp_specialised.cu): its 4 channels of q, k,
+// g and v, and β's logit.
+struct RawTokenChannels {
+  uint2 q, k, g, v;
+  __nv_bfloat16 beta;
+};
+
+__device__ __forceinline__ RawTokenChannels load_token_channels(const FwdParams& p, int64_t t, int h, int hk,
+                                                                int ch0) {
+  const int64_t base = (t * p.heads + h) * kHeadDim, key_base = (t * p.key_heads + hk) * kHeadDim;
+  RawTokenChannels r;
+  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + key_base + ch0);
+  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + key_base + ch0);
+  r.g = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + base + ch0);
+  r.v = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.v) + base + ch0);
+  r.beta = static_cast<const __nv_bfloat16*>(p.beta)[t * p.heads + h];
+  return r;
+}
+
+// The part of a token's preparation every decode kernel shares, as lane l computes it: k̂ = k / ‖k‖,
+// q̃ = (q / ‖q‖)·scale and α = 2^γ for channels 4l..4l+3 (the chunked plans' instructions, gate.cuh), and β.
+struct LaneKeys {
   float alpha[4], k_hat[4], q_tilde[4];
-  float beta, v;
+  float beta;
 };
 template <GateKind kGate>
-__device__ __forceinline__ LanePrep prepare_token(const FwdParams& p, const HeadGate& hg, const RawToken& raw) {
-  LanePrep lp;
+__device__ __forceinline__ LaneKeys prepare_keys(const FwdParams& p, const HeadGate& hg, uint2 q, uint2 k, uint2 g,
+                                                 __nv_bfloat16 beta_logit) {
+  LaneKeys lk;
   float gf[4];
-  prep::unpack4(raw.k, lp.k_hat);
-  prep::unpack4(raw.q, lp.q_tilde);
-  prep::unpack4(raw.g, gf);
-  float sum_k = prep::sum_squares_4(lp.k_hat), sum_q = prep::sum_squares_4(lp.q_tilde);
+  prep::unpack4(k, lk.k_hat);
+  prep::unpack4(q, lk.q_tilde);
+  prep::unpack4(g, gf);
+  float sum_k = prep::sum_squares_4(lk.k_hat), sum_q = prep::sum_squares_4(lk.q_tilde);
   warp_sum_2(sum_k, sum_q);
   const float inv_k = prep::inv_norm(sum_k), inv_q = prep::inv_norm(sum_q);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    lp.k_hat[c] = __fmul_rn(lp.k_hat[c], inv_k);
-    lp.q_tilde[c] = __fmul_rn(__fmul_rn(lp.q_tilde[c], inv_q), p.scale);
-    lp.alpha[c] = ex2_approx(gate_log2<kGate>(hg, c, gf[c]));
+    lk.k_hat[c] = __fmul_rn(lk.k_hat[c], inv_k);
+    lk.q_tilde[c] = __fmul_rn(__fmul_rn(lk.q_tilde[c], inv_q), p.scale);
+    lk.alpha[c] = ex2_approx(gate_log2<kGate>(hg, c, gf[c]));
   }
-  lp.beta = beta_of(p, bf16_to_float(raw.beta));
+  lk.beta = beta_of(p, bf16_to_float(beta_logit));
+  return lk;
+}
+
+// A token as a lane of kda_decode_kernel prepares it: prepare_keys, and v of the row whose sums the lane ends with.
+struct LanePrep : LaneKeys {
+  float v;
+};
+template <GateKind kGate>
+__device__ __forceinline__ LanePrep prepare_token(const FwdParams& p, const HeadGate& hg, const RawToken& raw) {
+  LanePrep lp;
+  static_cast<LaneKeys&>(lp) = prepare_keys<kGate>(p, hg, raw.q, raw.k, raw.g, raw.beta);
   lp.v = bf16_to_float(raw.v);
   return lp;
 }

@@ -72,6 +72,8 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
     // Either kernel runs the input checks itself.
     if (decode_chunk_runs(p.total_tokens, p.num_seqs, p.state_tokens)) {
       launch_decode_chunk(p, stream);
+    } else if (decode_warp_specialised_runs(p)) {
+      launch_decode_warp_specialised(p, stream);
     } else {
       launch_decode(p, stream);
     }

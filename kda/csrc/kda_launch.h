@@ -25,6 +25,11 @@ void launch_single_pass(const FwdParams& p, cudaStream_t stream);
 // The decode kernel (plan.decode): token by token, the state in fp32 registers, no workspace; it also runs the
 // input checks of launch_boundary_check (decode.cu).
 void launch_decode(const FwdParams& p, cudaStream_t stream);
+// The warp-specialised decode kernel (decode_warp_specialised.cu): kda_decode_kernel's arithmetic bit for bit, for
+// the calls decode_warp_specialised_runs accepts (bf16 states, two or more tokens per sequence on average, no
+// per-token states or checkpoints); it runs the same input checks.
+bool decode_warp_specialised_runs(const FwdParams& p);
+void launch_decode_warp_specialised(const FwdParams& p, cudaStream_t stream);
 // The decode plan's chunk step (decode_chunk.cu): up to 16 tokens of a sequence per step on the tensor cores, with
 // fp32-grade operands, checkpoints included; it runs the same input checks (kda_plan.h, decode_chunk_runs, says
 // when).

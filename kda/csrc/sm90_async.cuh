@@ -1,6 +1,7 @@
 // Hopper data-movement primitives the kernels use: mbarriers, 1-D bulk copies (the copy engine moves a whole
 // contiguous workspace record or state row with one instruction) and the warp-wide matrix loads/transposes
-// (ldmatrix, movmatrix). None of these touch values, so they cannot change a bit of the results.
+// (ldmatrix, movmatrix), and the warpgroup register reallocation (setmaxnreg). None of these touch values, so they
+// cannot change a bit of the results.
 #pragma once
 
 #include <cstdint>
@@ -152,6 +153,21 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
+}
+
+// ---- Register reallocation -------------------------------------------------------------------------------
+// A warpgroup (4 consecutive warps, all executing it) raises or lowers its per-thread register limit. Raising
+// waits until the registers others released are free: the limits of a CTA's warps must fit what the CTA was
+// launched with, per SM sub-partition (warp i runs on partition i % 4), or the raise waits forever.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes a multiple of 8 in 24..256");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes a multiple of 8 in 24..256");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
 }  // namespace kda

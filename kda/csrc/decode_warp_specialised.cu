@@ -1,0 +1,329 @@
+// The warp-specialised decode kernel (docs/DESIGN.md, "The warp-specialised decode kernel"): the decode plan's
+// token-by-token calls of two or more tokens per sequence on average, bf16 states, no per-token states or
+// checkpoints (decode_warp_specialised_runs). Its arithmetic is kda_decode_kernel's (decode.cu), bit for bit:
+// the same prepared token, the same fp32 intrinsics and the same halving tree, only laid out over more warps.
+//
+// A CTA holds the states of two heads at once, one per group of 8 state warps: warp w of a group owns rows
+// 16w .. 16w + 15, lane 8g + a owns rows g + 4r (r = 0..3) of those and, in each, the leaves j = 8m + a (m = 0..3;
+// leaf j is columns 4j..4j+3): 64 fp32 state registers per lane, so an SM runs 4 state warps per scheduler where
+// kda_decode_kernel runs 2, and the state warps do nothing but the state's arithmetic. Two preparing warps per group
+// (one per SM sub-partition with the other group's) take turns on the group's tokens, item after item, and hand each
+// prepared token (α, k̂, q̃, v, β: 2 KB) to the 8 state warps through a ring of shared-memory slots and mbarriers, so
+// a token is prepared once per head instead of once per warp. Each group's initial states arrive by one bulk copy
+// per head into two shared-memory stages while the previous head computes. setmaxnreg moves the registers: 20 warps
+// launched at 96 become 112 for the state warps and 32 for the preparing ones.
+// The call's input checks (input_checks.cuh) run here too, as in kda_decode_kernel.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include "kda/csrc/cuda_check.h"
+#include "kda/csrc/decode_token.cuh"
+#include "kda/csrc/device_math.cuh"
+#include "kda/csrc/gate.cuh"
+#include "kda/csrc/input_checks.cuh"
+#include "kda/csrc/kda_launch.h"
+#include "kda/csrc/kda_params.h"
+#include "kda/csrc/prepare_chunk.cuh"
+#include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/smem_opt_in.h"
+#include "kda/csrc/state_slots.cuh"
+
+namespace kda {
+namespace {
+
+// One-token calls stay on kda_decode_kernel, which was faster there (H200, 2026-12-04, CUDA graphs, B128 T1 H32:
+// 0.081 ms against 0.087 for this kernel's first form, docs/PERFORMANCE.md).
+constexpr int64_t kMinTokensPerSeq = 2;
+constexpr int kGroups = 2;        // heads a CTA holds at once
+constexpr int kGroupWarps = 8;    // state warps per head
+constexpr int kPrepWarps = 2;     // preparing warps per head
+constexpr int kPrepBase = kGroups * kGroupWarps;  // the first preparing warp
+constexpr int kThreads = (kPrepBase + kGroups * kPrepWarps) * 32;
+constexpr int kTokenSlots = 8;    // prepared tokens in flight per group
+constexpr int kStages = 2;        // initial states in flight per group
+constexpr int kHeadElems = kHeadDim * kHeadDim;
+constexpr int kRowsPerWarp = kHeadDim / kGroupWarps;  // 16
+constexpr int kLaneRows = 4;      // rows per lane: g + 4r
+constexpr int kLaneLeaves = 4;    // leaves per lane and row: j = 8m + a
+static_assert(kGroupWarps * kRowsPerWarp == kHeadDim && kLaneRows * 4 == kRowsPerWarp, "a group covers a head");
+static_assert(kLaneLeaves * 8 * prep::kChannelsPerLane == kHeadDim, "8 lanes of 4 leaves cover a row");
+static_assert(kTokenSlots % kPrepWarps == 0 && (kPrepWarps & (kPrepWarps - 1)) == 0,
+              "preparing warp r fills the slots r, r + P, ...");
+
+// Registers: each SM sub-partition (warp i runs on partition i % 4) has 16,384, and setmaxnreg only moves those its
+// warps hold at launch: 20 warps of 96 (4 state warps and 1 preparing warp per partition) become 4 x 112 + 1 x 32.
+constexpr int kLaunchRegs = 96;
+constexpr int kStateRegs = 112;
+constexpr int kPrepRegs = 32;
+constexpr int kSubPartitionRegs = 16384;
+static_assert(kPrepBase % 4 == 0 && kGroups * kPrepWarps == 4, "state warps fill whole warpgroups; one preparing "
+              "warp per sub-partition");
+static_assert(kPrepBase / 4 * kStateRegs + kPrepRegs <= (kPrepBase / 4 + 1) * kLaunchRegs,
+              "the raised limits fit what the warps were launched with (else setmaxnreg.inc waits forever)");
+static_assert((kPrepBase / 4 + 1) * 32 * kLaunchRegs <= kSubPartitionRegs, "a sub-partition's registers at launch");
+static_assert(kThreads * kLaunchRegs <= 65536, "the CTA's registers at launch");
+
+// One prepared token as every state warp of a group reads it (channel c at index c).
+struct PreparedChannels {
+  float alpha[kHeadDim], k_hat[kHeadDim], q_tilde[kHeadDim], v[kHeadDim];
+  float beta;
+  float pad[3];
+};
+struct GroupSmem {
+  __nv_bfloat16 stage[kStages][kHeadElems];
+  PreparedChannels token[kTokenSlots];
+  uint64_t stage_full[kStages];
+  uint64_t token_full[kTokenSlots], token_empty[kTokenSlots];
+};
+constexpr int kSmemBytes = kGroups * static_cast<int>(sizeof(GroupSmem));
+
+// A preparing warp: warp r of group c takes the tokens at positions r, r + P, ... of the group's token stream (its
+// heads' tokens in order, head by head), so its k-th token goes to slot (r + kP) mod kTokenSlots.
+template <GateKind kGate>
+__device__ __forceinline__ void prepare_tokens(const FwdParams& p, GroupSmem& gs, int64_t first_item, int64_t stride,
+                                               int r, int lane) {
+  const int64_t heads_total = p.num_seqs * p.heads;
+  const int ch0 = prep::kChannelsPerLane * lane;
+  uint32_t pos = static_cast<uint32_t>(r);  // this warp's next stream position
+  uint32_t item_start = 0;                  // the stream position of the head's first token
+  for (int64_t item = first_item; item < heads_total; item += stride) {
+    const int64_t n = item / p.heads;
+    const int h = static_cast<int>(item % p.heads);
+    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+    const uint32_t len = static_cast<uint32_t>(b.eos - b.bos);
+    if (pos - item_start < len) {
+      const int hk = key_head_of(p, h);
+      const HeadGate hg = head_gate(p, h, ch0);
+      for (; pos - item_start < len; pos += kPrepWarps) {
+        const RawTokenChannels raw = load_token_channels(p, b.bos + (pos - item_start), h, hk, ch0);
+        const LaneKeys lk = prepare_keys<kGate>(p, hg, raw.q, raw.k, raw.g, raw.beta);
+        float v[4];
+        prep::unpack4(raw.v, v);
+        const int slot = static_cast<int>(pos % kTokenSlots);
+        mbarrier_wait_parity_warp(&gs.token_empty[slot], ((pos / kTokenSlots) & 1u) ^ 1u);
+        PreparedChannels& tok = gs.token[slot];
+        store4(tok.alpha + ch0, lk.alpha);
+        store4(tok.k_hat + ch0, lk.k_hat);
+        store4(tok.q_tilde + ch0, lk.q_tilde);
+        store4(tok.v + ch0, v);
+        if (lane == 0) tok.beta = lk.beta;
+        mbarrier_arrive(&gs.token_full[slot]);
+      }
+    }
+    item_start += len;
+  }
+}
+
+// The in-lane levels of the halving tree over one row's 4 leaves (leaf bits 4, 3 are m's bits 1, 0; slot k holds
+// m = k ^ g, so slots k, k ^ 2, then k ^ 1 hold the tree's pairs).
+__device__ __forceinline__ float lane_tree_4(const float (&x)[kLaneLeaves]) {
+  return __fadd_rn(__fadd_rn(x[0], x[2]), __fadd_rn(x[1], x[3]));
+}
+
+// The cross-lane levels (leaf bits 2, 1, 0 are the lane's octant bits) for the lane's 4 rows, as a reduce-scatter:
+// lanes 8g + 2i and 8g + 2i + 1 both end with the sum of row g + 4i.
+__device__ __forceinline__ float octet_reduce_scatter(const float (&x)[kLaneRows], int octant) {
+  const bool upper4 = (octant & 4) != 0, upper2 = (octant & 2) != 0;
+  float y[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float keep = upper4 ? x[i + 2] : x[i], send = upper4 ? x[i] : x[i + 2];
+    y[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+  }
+  const float keep = upper2 ? y[1] : y[0], send = upper2 ? y[0] : y[1];
+  const float z = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 2));
+  return __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, 1));
+}
+
+// One thread starts bringing head `item`'s initial state into a stage: one bulk copy completing on the stage's
+// barrier, or a plain arrival when the head starts from zeros (no state, or a padding slot).
+__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t item, GroupSmem& gs, int stage) {
+  const int64_t n = item / p.heads;
+  const int h = static_cast<int>(item % p.heads);
+  const int64_t slot = state_slot(p, n);
+  if (p.initial_state != nullptr && slot >= 0) {
+    constexpr uint32_t kBytes = kHeadElems * sizeof(__nv_bfloat16);
+    mbarrier_arrive_expect_tx(&gs.stage_full[stage], kBytes);
+    bulk_copy_g2s(gs.stage[stage], static_cast<const __nv_bfloat16*>(p.initial_state) + state_offset(p, slot, h),
+                  kBytes, &gs.stage_full[stage]);
+  } else {
+    mbarrier_arrive(&gs.stage_full[stage]);
+  }
+}
+
+template <GateKind kGate>
+__global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  GroupSmem* groups = reinterpret_cast<GroupSmem*>(smem);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t heads_total = p.num_seqs * p.heads;
+  // Group c of CTA b takes the heads (sequence n, head h) = item / H, item % H for item = 2b + c, 2b + c + 2·grid...
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGroups;
+
+  const int64_t last_check = last_check_item<false>(p);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i <= last_check;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    check_call_inputs<false>(p, i);
+  }
+  if (threadIdx.x == 0) {
+    for (int c = 0; c < kGroups; ++c) {
+      for (int st = 0; st < kStages; ++st) mbarrier_init(&groups[c].stage_full[st], 1);
+      for (int s = 0; s < kTokenSlots; ++s) {
+        mbarrier_init(&groups[c].token_full[s], 32);             // every lane of the preparing warp
+        mbarrier_init(&groups[c].token_empty[s], kGroupWarps * 32);  // every lane of every state warp
+      }
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  if (warp >= kPrepBase) {
+    setmaxnreg_dec<kPrepRegs>();
+    const int pw = warp - kPrepBase;
+    const int c = pw / kPrepWarps;
+    prepare_tokens<kGate>(p, groups[c], static_cast<int64_t>(blockIdx.x) * kGroups + c, stride, pw % kPrepWarps,
+                          lane);
+    return;
+  }
+
+  setmaxnreg_inc<kStateRegs>();
+  const int c = warp / kGroupWarps, group_warp = warp % kGroupWarps;
+  GroupSmem& gs = groups[c];
+  const int row_group = lane >> 3, octant = lane & 7;
+  const int my_row = row_group + 4 * (octant >> 1);  // the row whose sums this lane ends with (octet_reduce_scatter)
+  const int warp_row0 = group_warp * kRowsPerWarp;
+  // Register slot k holds leaf m = k ^ row_group: the 4 row groups read different 128-byte quarters of a row at once.
+  auto col = [&](int k) { return 32 * (k ^ row_group) + 4 * octant; };
+
+  const int64_t first_item = static_cast<int64_t>(blockIdx.x) * kGroups + c;
+  if (group_warp == 0 && lane == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      if (first_item + st * stride < heads_total) start_state_load(p, first_item + st * stride, gs, st);
+    }
+  }
+  int st = 0, slot = 0;
+  uint32_t stage_parity = 0, token_parity = 0;
+  for (int64_t item = first_item; item < heads_total; item += stride) {
+    const int64_t n = item / p.heads;
+    const int h = static_cast<int>(item % p.heads);
+    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+    const SlotBits slot_bits = load_slot_bits(p, n);
+
+    // The state rows, fp32 (bf16 widened exactly), or zeros.
+    float s[kLaneRows][kLaneLeaves][4];
+    mbarrier_wait_parity_warp(&gs.stage_full[st], stage_parity);
+    const int64_t state_index = slot_from_bits(p, slot_bits);
+    if (p.initial_state != nullptr && state_index >= 0) {
+      const __nv_bfloat16* src = gs.stage[st] + (warp_row0 + row_group) * kHeadDim;
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+        for (int k = 0; k < kLaneLeaves; ++k) load4(src + 4 * r * kHeadDim + col(k), s[r][k]);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+        for (int k = 0; k < kLaneLeaves; ++k) s[r][k][0] = s[r][k][1] = s[r][k][2] = s[r][k][3] = 0.f;
+      }
+    }
+    // Every state warp of the group has its rows (named barrier 1 + c): the stage may be refilled.
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
+    if (group_warp == 0 && lane == 0 && item + kStages * stride < heads_total) {
+      start_state_load(p, item + kStages * stride, gs, st);
+    }
+    if (++st == kStages) st = 0, stage_parity ^= 1u;
+
+    // The output element of this lane's sums, token after token (a pointer rather than the token index: registers).
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + (b.bos * p.heads + h) * kHeadDim + warp_row0 + my_row;
+    for (int64_t left = b.eos - b.bos; left > 0; --left) {
+      mbarrier_wait_parity_warp(&gs.token_full[slot], token_parity);
+      const PreparedChannels& tok = gs.token[slot];
+      const float beta = tok.beta, v_in = tok.v[warp_row0 + my_row];
+
+      // Decay, then r = v − S·k̂ per row (the lane's 4 rows, one reduce-scatter in its octet), u = β·r.
+      float leaves[kLaneRows][kLaneLeaves];
+#pragma unroll
+      for (int k = 0; k < kLaneLeaves; ++k) {
+        float alpha[4], kh[4];
+        load4(tok.alpha + col(k), alpha);
+        load4(tok.k_hat + col(k), kh);
+#pragma unroll
+        for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) s[r][k][cc] = __fmul_rn(s[r][k][cc], alpha[cc]);
+          leaves[r][k] = lane_leaf4(s[r][k], kh);
+        }
+      }
+      float sums[kLaneRows];
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
+      const float u_mine = __fmul_rn(beta, __fsub_rn(v_in, octet_reduce_scatter(sums, octant)));
+      float u[kLaneRows];
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_sync(0xffffffffu, u_mine, 8 * row_group + 2 * r);
+
+      // S += u·k̂ᵀ; then the output partials o = S·q̃.
+#pragma unroll
+      for (int k = 0; k < kLaneLeaves; ++k) {
+        float kh[4], qt[4];
+        load4(tok.k_hat + col(k), kh);
+        load4(tok.q_tilde + col(k), qt);
+#pragma unroll
+        for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) s[r][k][cc] = __fmaf_rn(u[r], kh[cc], s[r][k][cc]);
+          leaves[r][k] = lane_leaf4(s[r][k], qt);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
+      // This lane has read the slot: its release to the preparing warps. Every lane arrives (rather than one
+      // after a __syncwarp), so that each reader's own arrival orders its reads before the slot's next writes.
+      mbarrier_arrive(&gs.token_empty[slot]);
+      if (++slot == kTokenSlots) slot = 0, token_parity ^= 1u;
+      const float o = octet_reduce_scatter(sums, octant);
+      if ((octant & 1) == 0) *out = __float2bfloat16_rn(o);
+      out += static_cast<int64_t>(p.heads) * kHeadDim;
+    }
+
+    if (p.final_state != nullptr && state_index >= 0) {
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.final_state) + state_offset(p, state_index, h) +
+                           (warp_row0 + row_group) * kHeadDim;
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+        for (int k = 0; k < kLaneLeaves; ++k) store4(dst + 4 * r * kHeadDim + col(k), s[r][k]);
+      }
+    }
+  }
+}
+
+// One CTA per SM (its 640 threads hold the SM's registers), never more CTAs than pairs of heads.
+template <GateKind kGate>
+void launch_gated(const FwdParams& p, cudaStream_t stream) {
+  constexpr auto kernel = kda_decode_ws_kernel<kGate>;
+  int device = 0, sms = 0;
+  KDA_CUDA_CHECK(cudaGetDevice(&device));
+  KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  opt_in_dynamic_smem<kernel>(kSmemBytes);
+  const int64_t heads_total = p.num_seqs * p.heads;
+  const int64_t pairs = (heads_total + kGroups - 1) / kGroups;
+  const int64_t grid = pairs < sms ? pairs : sms;
+  kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(p);
+  KDA_CHECK_LAUNCH("kda_decode_ws_kernel");
+}
+
+}  // namespace
+
+bool decode_warp_specialised_runs(const FwdParams& p) {
+  return !p.initial_is_fp32 && !p.final_is_fp32 && p.checkpoint_chunks == 0 && p.state_tokens == 0 &&
+         !p.states_only && p.total_tokens >= kMinTokensPerSeq * p.num_seqs;
+}
+
+void launch_decode_warp_specialised(const FwdParams& p, cudaStream_t stream) {
+  if (p.num_seqs == 0 || p.heads == 0) return;
+  with_gate(p.gate, [&](auto gate) { launch_gated<decltype(gate)::value>(p, stream); });
+}
+
+}  // namespace kda
