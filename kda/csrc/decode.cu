@@ -238,18 +238,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
 
       // Decay, then r = v − S·k̂ per row (the lane's 4 rows, one reduce-scatter in its group), u = β·r.
       float leaves[kLaneRows][kLaneLeaves];
-#pragma unroll
-      for (int k = 0; k < kLaneLeaves; ++k) {
-        float alpha[4], kh[4];
-        load4(tok.alpha + col(k), alpha);
-        load4(tok.k_hat + col(k), kh);
-#pragma unroll
-        for (int r = 0; r < kLaneRows; ++r) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) s[r][k][c] = __fmul_rn(s[r][k][c], alpha[c]);
-          leaves[r][k] = lane_leaf4(s[r][k], kh);
-        }
-      }
+      decay_and_key_leaves(s, leaves, tok.alpha, tok.k_hat, col);
 
       float sums[kLaneRows];
 #pragma unroll
@@ -260,18 +249,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) kda_decode_kernel(const Fwd
       for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_sync(0xffffffffu, u_mine, 4 * group + r);
 
       // S += u·k̂ᵀ; then the output partials o = S·q̃.
-#pragma unroll
-      for (int k = 0; k < kLaneLeaves; ++k) {
-        float kh[4], qt[4];
-        load4(tok.k_hat + col(k), kh);
-        load4(tok.q_tilde + col(k), qt);
-#pragma unroll
-        for (int r = 0; r < kLaneRows; ++r) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) s[r][k][c] = __fmaf_rn(u[r], kh[c], s[r][k][c]);
-          leaves[r][k] = lane_leaf4(s[r][k], qt);
-        }
-      }
+      update_and_query_leaves(s, leaves, u, tok.k_hat, tok.q_tilde, col);
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_8(leaves[r]);
       const float o = group_reduce_scatter_4(sums, lane);

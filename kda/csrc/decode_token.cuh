@@ -42,38 +42,83 @@ __device__ __forceinline__ void store4(__nv_bfloat16* dst, const float (&x)[4]) 
   *reinterpret_cast<uint2*>(dst) = raw;
 }
 
-// One token's raw inputs as this lane reads them: its 4 channels of q, k and g, β's logit and v of its sum's row.
-struct RawToken {
+// The token step's two sweeps over a lane's state registers s[r][k] (rows r, register slot k holding the 4 columns
+// col(k) .. col(k) + 3), as both token-by-token kernels run them (decode.cu, decode_warp_specialised.cu); they differ
+// only in how many rows and leaves a lane holds and in col. First: decay S ← S·diag(α), then the leaves of S·k̂.
+template <int kRows, int kLeaves, typename ColumnOf>
+__device__ __forceinline__ void decay_and_key_leaves(float (&s)[kRows][kLeaves][4], float (&leaves)[kRows][kLeaves],
+                                                     const float* alpha, const float* k_hat, const ColumnOf& col) {
+#pragma unroll
+  for (int k = 0; k < kLeaves; ++k) {
+    float a[4], kh[4];
+    load4(alpha + col(k), a);
+    load4(k_hat + col(k), kh);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[r][k][c] = __fmul_rn(s[r][k][c], a[c]);
+      leaves[r][k] = lane_leaf4(s[r][k], kh);
+    }
+  }
+}
+
+// Second: the update S += u·k̂ᵀ (u[r] for row r), then the leaves of the output S·q̃.
+template <int kRows, int kLeaves, typename ColumnOf>
+__device__ __forceinline__ void update_and_query_leaves(float (&s)[kRows][kLeaves][4], float (&leaves)[kRows][kLeaves],
+                                                        const float (&u)[kRows], const float* k_hat,
+                                                        const float* q_tilde, const ColumnOf& col) {
+#pragma unroll
+  for (int k = 0; k < kLeaves; ++k) {
+    float kh[4], qt[4];
+    load4(k_hat + col(k), kh);
+    load4(q_tilde + col(k), qt);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[r][k][c] = __fmaf_rn(u[r], kh[c], s[r][k][c]);
+      leaves[r][k] = lane_leaf4(s[r][k], qt);
+    }
+  }
+}
+
+// One token's key-side inputs as lane l of a decode kernel reads them: channels 4l..4l+3 of q, k and g.
+struct RawKeys {
   uint2 q, k, g;
+};
+
+__device__ __forceinline__ RawKeys load_keys(const FwdParams& p, int64_t t, int h, int hk, int ch0) {
+  const int64_t base = (t * p.heads + h) * kHeadDim, key_base = (t * p.key_heads + hk) * kHeadDim;
+  RawKeys r;
+  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + key_base + ch0);
+  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + key_base + ch0);
+  r.g = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + base + ch0);
+  return r;
+}
+
+// The keys, β's logit and v of the row whose sums the lane ends with (decode.cu, decode_chunk.cu).
+struct RawToken : RawKeys {
   __nv_bfloat16 beta, v;
 };
 
 __device__ __forceinline__ RawToken load_token(const FwdParams& p, int64_t t, int h, int hk, int ch0, int v_row) {
-  const int64_t base = (t * p.heads + h) * kHeadDim, key_base = (t * p.key_heads + hk) * kHeadDim;
   RawToken r;
-  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + key_base + ch0);
-  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + key_base + ch0);
-  r.g = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + base + ch0);
+  static_cast<RawKeys&>(r) = load_keys(p, t, h, hk, ch0);
   r.beta = static_cast<const __nv_bfloat16*>(p.beta)[t * p.heads + h];
-  r.v = static_cast<const __nv_bfloat16*>(p.v)[base + v_row];
+  r.v = static_cast<const __nv_bfloat16*>(p.v)[(t * p.heads + h) * kHeadDim + v_row];
   return r;
 }
 
-// One token's inputs as a lane of a preparing warp reads them (decode_warp_specialised.cu): its 4 channels of q, k,
-// g and v, and β's logit.
-struct RawTokenChannels {
-  uint2 q, k, g, v;
+// The keys, the lane's 4 channels of v and β's logit, as a preparing warp reads them (decode_warp_specialised.cu).
+struct RawTokenChannels : RawKeys {
+  uint2 v;
   __nv_bfloat16 beta;
 };
 
 __device__ __forceinline__ RawTokenChannels load_token_channels(const FwdParams& p, int64_t t, int h, int hk,
                                                                 int ch0) {
-  const int64_t base = (t * p.heads + h) * kHeadDim, key_base = (t * p.key_heads + hk) * kHeadDim;
   RawTokenChannels r;
-  r.q = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + key_base + ch0);
-  r.k = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + key_base + ch0);
-  r.g = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + base + ch0);
-  r.v = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.v) + base + ch0);
+  static_cast<RawKeys&>(r) = load_keys(p, t, h, hk, ch0);
+  r.v = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.v) + (t * p.heads + h) * kHeadDim + ch0);
   r.beta = static_cast<const __nv_bfloat16*>(p.beta)[t * p.heads + h];
   return r;
 }
@@ -85,13 +130,13 @@ struct LaneKeys {
   float beta;
 };
 template <GateKind kGate>
-__device__ __forceinline__ LaneKeys prepare_keys(const FwdParams& p, const HeadGate& hg, uint2 q, uint2 k, uint2 g,
+__device__ __forceinline__ LaneKeys prepare_keys(const FwdParams& p, const HeadGate& hg, const RawKeys& raw,
                                                  __nv_bfloat16 beta_logit) {
   LaneKeys lk;
   float gf[4];
-  prep::unpack4(k, lk.k_hat);
-  prep::unpack4(q, lk.q_tilde);
-  prep::unpack4(g, gf);
+  prep::unpack4(raw.k, lk.k_hat);
+  prep::unpack4(raw.q, lk.q_tilde);
+  prep::unpack4(raw.g, gf);
   float sum_k = prep::sum_squares_4(lk.k_hat), sum_q = prep::sum_squares_4(lk.q_tilde);
   warp_sum_2(sum_k, sum_q);
   const float inv_k = prep::inv_norm(sum_k), inv_q = prep::inv_norm(sum_q);
@@ -112,7 +157,7 @@ struct LanePrep : LaneKeys {
 template <GateKind kGate>
 __device__ __forceinline__ LanePrep prepare_token(const FwdParams& p, const HeadGate& hg, const RawToken& raw) {
   LanePrep lp;
-  static_cast<LaneKeys&>(lp) = prepare_keys<kGate>(p, hg, raw.q, raw.k, raw.g, raw.beta);
+  static_cast<LaneKeys&>(lp) = prepare_keys<kGate>(p, hg, raw, raw.beta);
   lp.v = bf16_to_float(raw.v);
   return lp;
 }

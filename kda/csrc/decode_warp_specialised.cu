@@ -1,7 +1,8 @@
 // The warp-specialised decode kernel (docs/DESIGN.md, "The warp-specialised decode kernel"): the decode plan's
 // token-by-token calls of two or more tokens per sequence on average, bf16 states, no per-token states or
 // checkpoints (decode_warp_specialised_runs). Its arithmetic is kda_decode_kernel's (decode.cu), bit for bit:
-// the same prepared token, the same fp32 intrinsics and the same halving tree, only laid out over more warps.
+// the same prepared token, the same token sweeps (decode_token.cuh) and the same halving tree, only laid out over
+// more warps.
 //
 // A CTA holds the states of two heads at once, one per group of 8 state warps: warp w of a group owns rows
 // 16w .. 16w + 15, lane 8g + a owns rows g + 4r (r = 0..3) of those and, in each, the leaves j = 8m + a (m = 0..3;
@@ -96,7 +97,7 @@ __device__ __forceinline__ void prepare_tokens(const FwdParams& p, GroupSmem& gs
       const HeadGate hg = head_gate(p, h, ch0);
       for (; pos - item_start < len; pos += kPrepWarps) {
         const RawTokenChannels raw = load_token_channels(p, b.bos + (pos - item_start), h, hk, ch0);
-        const LaneKeys lk = prepare_keys<kGate>(p, hg, raw.q, raw.k, raw.g, raw.beta);
+        const LaneKeys lk = prepare_keys<kGate>(p, hg, raw, raw.beta);
         float v[4];
         prep::unpack4(raw.v, v);
         const int slot = static_cast<int>(pos % kTokenSlots);
@@ -243,18 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
 
       // Decay, then r = v − S·k̂ per row (the lane's 4 rows, one reduce-scatter in its octet), u = β·r.
       float leaves[kLaneRows][kLaneLeaves];
-#pragma unroll
-      for (int k = 0; k < kLaneLeaves; ++k) {
-        float alpha[4], kh[4];
-        load4(tok.alpha + col(k), alpha);
-        load4(tok.k_hat + col(k), kh);
-#pragma unroll
-        for (int r = 0; r < kLaneRows; ++r) {
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) s[r][k][cc] = __fmul_rn(s[r][k][cc], alpha[cc]);
-          leaves[r][k] = lane_leaf4(s[r][k], kh);
-        }
-      }
+      decay_and_key_leaves(s, leaves, tok.alpha, tok.k_hat, col);
       float sums[kLaneRows];
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
@@ -264,18 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_sync(0xffffffffu, u_mine, 8 * row_group + 2 * r);
 
       // S += u·k̂ᵀ; then the output partials o = S·q̃.
-#pragma unroll
-      for (int k = 0; k < kLaneLeaves; ++k) {
-        float kh[4], qt[4];
-        load4(tok.k_hat + col(k), kh);
-        load4(tok.q_tilde + col(k), qt);
-#pragma unroll
-        for (int r = 0; r < kLaneRows; ++r) {
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) s[r][k][cc] = __fmaf_rn(u[r], kh[cc], s[r][k][cc]);
-          leaves[r][k] = lane_leaf4(s[r][k], qt);
-        }
-      }
+      update_and_query_leaves(s, leaves, u, tok.k_hat, tok.q_tilde, col);
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
       // This lane has read the slot: its release to the preparing warps. Every lane arrives (rather than one
