@@ -114,15 +114,7 @@ __device__ __forceinline__ float lane_tree_8(const float (&x)[kLaneLeaves]) {
 // The group part of the halving tree for the lane's 4 rows (leaf index bits 1, 0 are the lane bits 1, 0), as a
 // reduce-scatter: lane 4g + a ends with the sum of its row g + 8a.
 __device__ __forceinline__ float group_reduce_scatter_4(const float (&x)[kLaneRows], int lane) {
-  const bool upper2 = (lane & 2) != 0, upper1 = (lane & 1) != 0;
-  float y[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float keep = upper2 ? x[i + 2] : x[i], send = upper2 ? x[i] : x[i + 2];
-    y[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 2));
-  }
-  const float keep = upper1 ? y[1] : y[0], send = upper1 ? y[0] : y[1];
-  return __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 1));
+  return reduce_scatter_4_rows<2, 1>(x, lane);
 }
 
 __device__ __forceinline__ void publish(PreparedToken& tok, int ch0, const LanePrep& lp) {

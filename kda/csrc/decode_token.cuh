@@ -24,6 +24,22 @@ __device__ __forceinline__ void warp_sum_2(float& x, float& y) {
   }
 }
 
+// Two levels of the halving tree over a lane's partial sums of 4 rows, as a reduce-scatter between the lanes that
+// differ in lane bits kHigh and kLow (xor kHigh, then xor kLow): the lane ends with the sum of row
+// 2·[lane & kHigh] + [lane & kLow]. Both token-by-token decode kernels end their row sums with it.
+template <int kHigh, int kLow>
+__device__ __forceinline__ float reduce_scatter_4_rows(const float (&x)[4], int lane) {
+  const bool upper_high = (lane & kHigh) != 0, upper_low = (lane & kLow) != 0;
+  float y[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float keep = upper_high ? x[i + 2] : x[i], send = upper_high ? x[i] : x[i + 2];
+    y[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, kHigh));
+  }
+  const float keep = upper_low ? y[1] : y[0], send = upper_low ? y[0] : y[1];
+  return __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, kLow));
+}
+
 // Four consecutive values (channels or state columns 4l..4l+3) widened to fp32 / stored from fp32.
 __device__ __forceinline__ void load4(const float* src, float (&x)[4]) {
   const float4 v = *reinterpret_cast<const float4*>(src);

@@ -124,15 +124,7 @@ __device__ __forceinline__ float lane_tree_4(const float (&x)[kLaneLeaves]) {
 // The cross-lane levels (leaf bits 2, 1, 0 are the lane's octant bits) for the lane's 4 rows, as a reduce-scatter:
 // lanes 8g + 2i and 8g + 2i + 1 both end with the sum of row g + 4i.
 __device__ __forceinline__ float octet_reduce_scatter(const float (&x)[kLaneRows], int octant) {
-  const bool upper4 = (octant & 4) != 0, upper2 = (octant & 2) != 0;
-  float y[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float keep = upper4 ? x[i + 2] : x[i], send = upper4 ? x[i] : x[i + 2];
-    y[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 4));
-  }
-  const float keep = upper2 ? y[1] : y[0], send = upper2 ? y[0] : y[1];
-  const float z = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 2));
+  const float z = reduce_scatter_4_rows<4, 2>(x, octant);
   return __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, 1));
 }
 
