@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--units", type=float, required=True, help="work units (warps x items) to count per")
     parser.add_argument("--opcodes", type=int, default=20, help="most executed opcodes to print")
     parser.add_argument("--block", type=int, default=30, help="instructions per printed block")
+    parser.add_argument("--min_share", type=float, default=0.0,
+                        help="print only blocks holding at least this %% of the samples (a short report)")
     args = parser.parse_args()
 
     header, rows = read_page(args.sass_csv)
@@ -54,7 +56,8 @@ def main() -> None:
         print(f"  {name:8s} {count / args.units:8.1f}")
 
     # Blocks of consecutive instructions with the same execution count per unit (rounded to 0.1).
-    print(f"blocks of up to {args.block} instructions executed equally often: "
+    print(f"blocks of up to {args.block} instructions executed equally often"
+          f"{f' holding at least {args.min_share:g} % of the samples' if args.min_share else ''}: "
           "first-last index, times per unit, % of samples, top stall reasons, top opcodes")
     times = [round(value(row, executed) / args.units, 1) for row in rows]
     runs: list[list[int]] = []
@@ -70,6 +73,8 @@ def main() -> None:
         if len(run) < 3:
             continue
         share = sum(value(rows[i], samples) for i in run) / total_samples
+        if 100 * share < args.min_share:
+            continue
         stalls = collections.Counter({header[c][len("stall_"):]: sum(value(rows[i], c) for i in run) for c in reasons})
         ops = collections.Counter(opcode(rows[i][source]) for i in run)
         print(f"  {run[0]:5d}-{run[-1]:5d} x{times[run[0]]:4.1f} {100 * share:5.1f}% "
