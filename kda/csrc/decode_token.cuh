@@ -60,22 +60,30 @@ __device__ __forceinline__ void store4(__nv_bfloat16* dst, const float (&x)[4]) 
 
 // The token step's two sweeps over a lane's state registers s[r][k] (rows r, register slot k holding the 4 columns
 // col(k) .. col(k) + 3), as both token-by-token kernels run them (decode.cu, decode_warp_specialised.cu); they differ
-// only in how many rows and leaves a lane holds and in col. First: decay S ← S·diag(α), then the leaves of S·k̂.
-template <int kRows, int kLeaves, typename ColumnOf>
-__device__ __forceinline__ void decay_and_key_leaves(float (&s)[kRows][kLeaves][4], float (&leaves)[kRows][kLeaves],
-                                                     const float* alpha, const float* k_hat, const ColumnOf& col) {
+// only in how many rows and leaves a lane holds and in col. A sweep changes each element with `change` (row r, the
+// element, the operand x at its column), then forms the row's leaves against y.
+template <int kRows, int kLeaves, typename ColumnOf, typename Change>
+__device__ __forceinline__ void sweep(float (&s)[kRows][kLeaves][4], float (&leaves)[kRows][kLeaves], const float* x,
+                                      const float* y, const ColumnOf& col, const Change& change) {
 #pragma unroll
   for (int k = 0; k < kLeaves; ++k) {
-    float a[4], kh[4];
-    load4(alpha + col(k), a);
-    load4(k_hat + col(k), kh);
+    float xk[4], yk[4];
+    load4(x + col(k), xk);
+    load4(y + col(k), yk);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) s[r][k][c] = __fmul_rn(s[r][k][c], a[c]);
-      leaves[r][k] = lane_leaf4(s[r][k], kh);
+      for (int c = 0; c < 4; ++c) s[r][k][c] = change(r, s[r][k][c], xk[c]);
+      leaves[r][k] = lane_leaf4(s[r][k], yk);
     }
   }
+}
+
+// First: decay S ← S·diag(α), then the leaves of S·k̂.
+template <int kRows, int kLeaves, typename ColumnOf>
+__device__ __forceinline__ void decay_and_key_leaves(float (&s)[kRows][kLeaves][4], float (&leaves)[kRows][kLeaves],
+                                                     const float* alpha, const float* k_hat, const ColumnOf& col) {
+  sweep(s, leaves, alpha, k_hat, col, [](int, float e, float a) { return __fmul_rn(e, a); });
 }
 
 // Second: the update S += u·k̂ᵀ (u[r] for row r), then the leaves of the output S·q̃.
@@ -83,18 +91,7 @@ template <int kRows, int kLeaves, typename ColumnOf>
 __device__ __forceinline__ void update_and_query_leaves(float (&s)[kRows][kLeaves][4], float (&leaves)[kRows][kLeaves],
                                                         const float (&u)[kRows], const float* k_hat,
                                                         const float* q_tilde, const ColumnOf& col) {
-#pragma unroll
-  for (int k = 0; k < kLeaves; ++k) {
-    float kh[4], qt[4];
-    load4(k_hat + col(k), kh);
-    load4(q_tilde + col(k), qt);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[r][k][c] = __fmaf_rn(u[r], kh[c], s[r][k][c]);
-      leaves[r][k] = lane_leaf4(s[r][k], qt);
-    }
-  }
+  sweep(s, leaves, k_hat, q_tilde, col, [&u](int r, float e, float kh) { return __fmaf_rn(u[r], kh, e); });
 }
 
 // One token's key-side inputs as lane l of a decode kernel reads them: channels 4l..4l+3 of q, k and g.
