@@ -67,7 +67,8 @@ def _enter_device(device: torch.device) -> None:
 
 
 def _breakdown(x: dict) -> None:
-    """Where a direct call's host time goes: each step of launch.run timed alone."""
+    """Where a direct call's host time goes: each step of launch.run timed alone. The C.fwd arguments are
+    launch.run's four groups for this call (kda/csrc/binding.cpp): no pools, no per-token states, no checkpoints."""
     from flash_kda import _ext, api, planning, validation
 
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
@@ -80,8 +81,9 @@ def _breakdown(x: dict) -> None:
     ws = api.reserve_workspace(api.workspace_bytes(q), q.device)
     launch_args = ((q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
                     x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
-                    False, 0, False),
-                   (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), 1, q.shape[2], 0, 1.0),
+                    False, 0, False, 0, False, 0, False),
+                   (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), 1, q.shape[2], 0, 1.0,
+                    0, 0, 0),
                    run,
                    (ws.data_ptr(), ws.numel(), 0, _ext.current_stream(index), index))  # fmt: skip
     steps = {

@@ -29,8 +29,10 @@ SCALE, LOWER_BOUND = bench_fwd.HEAD_DIM**-0.5, -5.0
 
 
 def graph_of_call(inp: dict, case: bench_fwd.Case) -> torch.cuda.CUDAGraph:
-    """One call as bench_fwd.run_flash_kda makes it, with an explicit workspace (capture allocates nothing)."""
-    workspace = torch.empty(flash_kda.workspace_bytes(inp["q"], inp["cu_seqlens"]), dtype=torch.uint8, device="cuda")
+    """One call as bench_fwd.run_flash_kda makes it (its gate and β scale included), with an explicit workspace
+    (capture allocates nothing)."""
+    workspace = torch.empty(flash_kda.workspace_bytes(inp["v"], inp["cu_seqlens"], gate=inp["gate"]),
+                            dtype=torch.uint8, device="cuda")
     out = torch.empty_like(inp["v"])
     dtype = bench_fwd.STATE_DTYPES[case.state]
     init = None if dtype is None else inp["init"].to(dtype)
@@ -38,8 +40,9 @@ def graph_of_call(inp: dict, case: bench_fwd.Case) -> torch.cuda.CUDAGraph:
 
     def call():
         flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], SCALE, out, inp["A_log"], inp["dt_bias"],
-                      LOWER_BOUND, initial_state=init, final_state=final, cu_seqlens=inp["cu_seqlens"],
-                      workspace=workspace)
+                      None if inp["gate"] == "softplus" else LOWER_BOUND, initial_state=init, final_state=final,
+                      cu_seqlens=inp["cu_seqlens"], workspace=workspace, gate=inp["gate"],
+                      allow_neg_eigval=inp["neg_eigval"])
 
     call()
     torch.cuda.synchronize()
