@@ -66,9 +66,21 @@ def _enter_device(device: torch.device) -> None:
         pass
 
 
+def _launch_arguments(C, call) -> tuple:
+    """The arguments launch.run passes to the extension's fwd during call() (which runs it once), taken from the
+    call itself so that they always match the binding (kda/csrc/binding.cpp)."""
+    captured = []
+    launch = C.fwd
+    C.fwd = lambda *groups: (captured.append(groups), launch(*groups))[1]
+    try:
+        call()
+    finally:
+        C.fwd = launch
+    return captured[0]
+
+
 def _breakdown(x: dict) -> None:
-    """Where a direct call's host time goes: each step of launch.run timed alone. The C.fwd arguments are
-    launch.run's four groups for this call (kda/csrc/binding.cpp): no pools, no per-token states, no checkpoints."""
+    """Where a direct call's host time goes: each step of launch.run timed alone."""
     from flash_kda import _ext, api, planning, validation
 
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"], x["dt_bias"],
@@ -76,16 +88,8 @@ def _breakdown(x: dict) -> None:
     q = x["q"]
     index = q.device.index
     C = _ext.load()
-    run = api.plan(q)
     dims = (q.shape[0], q.shape[1], q.shape[2], q.shape[0], False)  # B, T, H, N, varlen
-    ws = api.reserve_workspace(api.workspace_bytes(q), q.device)
-    launch_args = ((q.data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
-                    x["A_log"].data_ptr(), 0, x["dt_bias"].data_ptr(), 0, x["out"].data_ptr(), 0, False, 0, False, 0,
-                    False, 0, False, 0, False, 0, False),
-                   (1, q.shape[1], 1, q.shape[2], float(x["scale"]), float(x["lower_bound"]), 1, q.shape[2], 0, 1.0,
-                    0, 0, 0),
-                   run,
-                   (ws.data_ptr(), ws.numel(), 0, _ext.current_stream(index), index))  # fmt: skip
+    launch_args = _launch_arguments(C, lambda: api.fwd(*args[:13]))
     steps = {
         "whole flash_kda.fwd": lambda: api.fwd(*args[:13]),
         "validation.validate": lambda: validation.validate(*args, concrete=True),
