@@ -22,6 +22,12 @@ constexpr float kMinLog2Decay = -128.0f;
 
 // One head's gate constants for the channels ch0 .. ch0 + 3: e^A_log (1 without A_log), dt_bias (0 without it)
 // and, for the lower-bound gate, lower_bound · log2 e.
+//
+// e^A_log is held within fp32's normal range, [2^−126, the largest finite float] (a NaN stays NaN): an A_log past
+// about ±88 would otherwise make it ∞ or 0, and ∞ · 0 (a gate input g + dt_bias of 0, or a softplus that
+// underflows to 0) or 0 · ∞ (an input that overflows fp32) a NaN. Inside that range the clamp changes nothing.
+constexpr float kMinExpA = 1.17549435e-38f;  // 2^−126
+constexpr float kMaxExpA = 3.40282347e38f;   // the largest finite float
 struct HeadGate {
   float exp_a;
   float scale;
@@ -62,7 +68,11 @@ __device__ __forceinline__ float param_from_bits(ParamType type, uint32_t bits) 
 }
 __device__ __forceinline__ HeadGate head_gate_from(const FwdParams& p, const HeadGateBits& bits) {
   HeadGate hg;
-  hg.exp_a = p.A_log != nullptr ? ex2_approx(__fmul_rn(param_from_bits(p.A_log_type, bits.a_log), kLog2e)) : 1.f;
+  hg.exp_a = 1.f;
+  if (p.A_log != nullptr) {
+    const float e = ex2_approx(__fmul_rn(param_from_bits(p.A_log_type, bits.a_log), kLog2e));
+    hg.exp_a = e > kMaxExpA ? kMaxExpA : (e < kMinExpA ? kMinExpA : e);  // (comparisons with NaN are false)
+  }
   hg.scale = __fmul_rn(p.lower_bound, kLog2e);
   if (p.dt_bias == nullptr) {
     hg.bias[0] = hg.bias[1] = hg.bias[2] = hg.bias[3] = 0.f;

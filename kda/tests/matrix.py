@@ -151,6 +151,9 @@ INPUT_RECIPES = (
     "beta=+10",  # beta ≈ 1
     "beta=-10",  # beta ≈ 0
     "beta=±10",  # random signs: each token either writes fully or not at all
+    # A_log +100 and -100 on alternate heads, dt_bias 0 and g 0 on every other channel: e^A_log past fp32's range
+    # meets gate inputs of exactly 0 (∞·0 unless the kernels hold e^A_log in range, gate.cuh)
+    "A_log=±100",
     # The softplus gate's (SOFTPLUS_RECIPES): A_log in SOFTPLUS_A_LOG_RANGE unless said otherwise.
     "g=U±50",  # g uniform in ±46, so g + dt_bias spans about ±50: decays from none to -800 per token
     "g=+50",  # g constant +50: a log decay of -exp(A_log)·50 per token (the state is almost erased each token)
@@ -614,6 +617,9 @@ def _gate_softplus() -> list[Case]:
         cases.append(Case("gate_softplus", H=4, T=8, inputs=recipe, **softplus))
         cases.append(Case("gate_softplus", H=4, seqlens=(1, 2, 3, 5, 8, 15), inputs=recipe, state_dtype="fp32",
                           **softplus))
+    # e^A_log past fp32's range meeting gate inputs of 0 (softplus: heads that erase the state and heads that never
+    # decay).
+    cases.append(Case("gate_softplus", H=4, T=97, inputs="A_log=±100", **softplus))
     # A log decay of -960 per token: exp underflows to 0, the state is erased at every token (test_matrix.py checks
     # that the result is finite and equals the result from a zero initial state).
     erased = dict(inputs="decay=-960", **softplus)
@@ -900,6 +906,10 @@ def make_inputs(case: Case, device) -> dict:
         g.fill_(float(recipe[2:]))
     elif recipe.startswith("dt_bias="):
         dt_bias.fill_(float(recipe[8:]))
+    elif recipe == "A_log=±100":
+        A_log = torch.tensor([100.0 if h % 2 == 0 else -100.0 for h in range(H)], device=device).to(param_dtype)
+        dt_bias.zero_()
+        g[..., ::2] = 0.0
     elif recipe == "collinear_k":
         # One direction per head plus noise below bf16's resolution: many keys round to the same vector.
         k = (randn(1, 1, Hk, D) + 1e-3 * randn(B, T, Hk, D)).to(bf16)

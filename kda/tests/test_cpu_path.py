@@ -20,6 +20,7 @@ import torch
 import flash_kda
 from flash_kda import compare, reference
 
+D = 128  # head dim (K = V)
 FLOOR_FACTOR = 1.01  # measured worst ratio to the bf16-rounding floor: 1.0000001
 FP32_STATE_REL_L2 = 1e-6  # measured worst: 3.4e-7
 WINDOW = 32  # tokens per window: short, so per-window errors of short sequences are seen
@@ -292,7 +293,7 @@ def option_inputs(*, H=2, G=1, B=1, T=97, seqlens=None, state=torch.float32, poo
         B, T = 1, sum(seqlens)
         cu = torch.tensor([0, *torch.tensor(seqlens, dtype=torch.int64).cumsum(0).tolist()])
     N = B if seqlens is None else len(seqlens)
-    HV, D = G * H, 128
+    HV = G * H
     rows = pool or N
     x = dict(q=randn(B, T, H, D, dtype=bf16), k=randn(B, T, H, D, dtype=bf16), v=randn(B, T, HV, D, dtype=bf16),
              g=randn(B, T, HV, D, dtype=bf16), beta=randn(B, T, HV, dtype=bf16), scale=D**-0.5,
@@ -790,3 +791,32 @@ def test_decode_recurrence_checkpoints_match_float64(C: int) -> None:
             assert torch.equal(recorded[e], state[n])
     plain_out, plain_state = numerics.recurrent_forward(*_numerics_args(x), initial, x["cu_seqlens"])
     assert torch.equal(out, plain_out) and torch.equal(state, plain_state)
+
+
+@pytest.mark.parametrize(
+    "gate, A_log, g",
+    [("lower_bound", 89.0, 0.0), ("lower_bound", 89.0, 0.5), ("lower_bound", -110.0, 3.0),
+     ("softplus", 89.0, -200.0), ("softplus", 89.0, 0.0), ("softplus", -110.0, 30.0)],
+    ids=str,
+)
+def test_a_log_past_fp32_range_stays_finite_and_exact(gate: str, A_log: float, g: float) -> None:
+    """e^A_log past fp32's range (A_log beyond about ±88) is held in its normal range (gate.cuh), so that neither
+    ∞·0 (a gate input of 0, a softplus that underflows) nor 0·∞ makes a NaN: out and the state are finite and
+    match the float64 recurrence, whose e^A_log does not overflow."""
+    T, H = 16, 2
+    gen = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    q, k, v = (torch.randn(1, T, H, D, generator=gen).to(bf) for _ in range(3))
+    beta = torch.randn(1, T, H, generator=gen).to(bf)
+    gate_in = torch.full((1, T, H, D), g, dtype=bf)
+    a_log = torch.full((H,), A_log)
+    init = torch.randn(1, H, D, D, generator=gen) * 0.1
+    out, fin = torch.empty(1, T, H, D, dtype=bf), torch.empty(1, H, D, D)
+    lower_bound = -5.0 if gate == "lower_bound" else None
+    flash_kda.fwd(q, k, v, gate_in, beta, D**-0.5, out, a_log, None, lower_bound, init, fin, gate=gate)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(fin).all()
+    ref_out, ref_state = reference.reference_loop(q, k, v, gate_in, beta, D**-0.5, a_log, None, lower_bound, init,
+                                                  gate_kind=gate)
+    floor = compare.compare(ref_out.to(bf), ref_out).rel_l2
+    compare.compare(out, ref_out).check(rel_l2=FLOOR_FACTOR * floor, name="out")
+    compare.compare(fin, ref_state).check(rel_l2=FP32_STATE_REL_L2, name="final_state")

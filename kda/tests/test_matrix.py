@@ -61,7 +61,7 @@ DECODE_STATE_REL_L2 = {torch.bfloat16: 3.5e-3, torch.float32: 3.0e-3}  # by fina
 OPTION_OUT_REL_L2 = 4.5e-3
 OPTION_STATE_REL_L2 = {torch.bfloat16: 3.5e-3, torch.float32: 3.0e-3}
 OPTION_WINDOW_REL_L2 = 1.2e-2
-ADVERSARIAL_RECIPES = ("collinear_k", "beta=+10", "beta=-10", "beta=±10")
+ADVERSARIAL_RECIPES = ("collinear_k", "beta=+10", "beta=-10", "beta=±10", "A_log=±100")
 _PROGRESS_TOKEN_HEADS = 1 << 20  # print stage timings for cases at least this big (long_context)
 
 

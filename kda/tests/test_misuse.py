@@ -148,11 +148,64 @@ def test_cpu_path_refuses_a_call_larger_than_host_memory(monkeypatch):
 
     monkeypatch.setattr(launch, "available_host_memory", lambda: 1 << 20)
     x = make("cpu", T=64, H=4)
-    needed = launch.cpu_bytes_needed(64 * 4)
+    needed = launch.cpu_bytes_needed(64 * 4, 4)
     assert needed > 1 << 20
-    with pytest.raises(MemoryError, match=r"the CPU path needs about .* for 256 token-heads .* 1\.0 MiB"):
+    with pytest.raises(MemoryError, match=r"the CPU path needs about .* for 256 token-heads and 4 sequence-heads .* "
+                                          r"1\.0 MiB"):
         flash_kda.fwd(**x)
     assert torch.isnan(x["out"]).all(), "a refused call must write nothing"
+
+
+def test_cpu_path_counts_each_sequences_states(monkeypatch):
+    """A decode-shaped call (many sequences of one token) holds fp32 states per sequence-head: the estimate counts
+    them, so such a call is refused with MemoryError where the token count alone would have let it through."""
+    from flash_kda import launch  # noqa: PLC0415
+
+    x = make("cpu", B=64, T=1, H=4)
+    by_tokens = launch.cpu_bytes_needed(64 * 4)
+    assert launch.cpu_bytes_needed(64 * 4, 64 * 4) >= by_tokens + 64 * 4 * 4 * D * D  # an fp32 state each, at least
+    monkeypatch.setattr(launch, "available_host_memory", lambda: by_tokens + (1 << 20))
+    with pytest.raises(MemoryError, match=r"for 256 token-heads and 256 sequence-heads"):
+        flash_kda.fwd(**x)
+    assert torch.isnan(x["out"]).all(), "a refused call must write nothing"
+
+
+# --- outputs created under torch.inference_mode() ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["out", "final_state"])
+def test_inference_tensor_output_outside_inference_mode_is_refused_by_name(name):
+    """PyTorch does not allow an inference tensor to be written in place outside inference mode: the call is
+    refused by name before it writes anything (the CPU path would otherwise fail after writing out)."""
+    x = make("cpu")
+    with torch.inference_mode():
+        x[name] = x[name].clone()
+    with pytest.raises(RuntimeError, match=rf"{name} is an inference tensor .* torch.inference_mode\(\)"):
+        flash_kda.fwd(**x)
+    assert torch.isnan(x["out"]).all() and torch.isnan(x["final_state"]).all(), "a refused call writes nothing"
+
+
+def test_inference_tensor_outputs_inside_inference_mode_are_written():
+    x = make("cpu")
+    with torch.inference_mode():
+        x["out"], x["final_state"] = x["out"].clone(), x["final_state"].clone()
+        flash_kda.fwd(**x)
+    assert not torch.isnan(x["out"]).any() and not torch.isnan(x["final_state"]).any()
+
+
+# --- checkpoints past every sequence's end ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("every", [2**62 + 16, 2**62, 2**63, 2**80], ids=str)
+def test_checkpoints_past_int64_are_never_written(every):
+    """(m+1)·checkpoint_every past 2^63 must not wrap around to a length the sequence reaches: slot 1, named for
+    the 4th checkpoint of a 64-token sequence, is left as it was, and the call completes."""
+    x = make("cpu", T=64, H=1, state=None)
+    pool = torch.full((2, 1, D, D), float("nan"))
+    flash_kda.fwd(**{**x, "initial_state": None, "final_state": pool}, state_indices=torch.tensor([0]),
+                  checkpoint_indices=torch.tensor([[-1, -1, -1, 1]]), checkpoint_every=every)
+    assert torch.isfinite(pool[0]).all()
+    assert torch.isnan(pool[1]).all(), "a checkpoint the sequence never reaches was written"
 
 
 # --- heads: a launch grid holds at most 65535 in y ---------------------------------------------------------

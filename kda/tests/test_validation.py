@@ -289,9 +289,17 @@ def test_lower_bound_range(lower_bound):
            lower_bound=lower_bound)  # fmt: skip
 
 
-@pytest.mark.parametrize("scale", [math.nan, math.inf, None, torch.tensor(1.0)])
+@pytest.mark.parametrize("scale", [math.nan, math.inf, None, torch.tensor(1.0), 10**400, -(10**1000)], ids=str)
 def test_scale_finite(scale):
+    """An int too large for a float is refused by name like any other non-finite scale (not OverflowError), and
+    the message stays short however many digits it has."""
     raises(ValueError, r"scale must be a finite real number, got scale=", scale=scale)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_lower_bound_too_large_for_a_float_is_refused_by_name(gate):
+    raises(ValueError, r"lower_bound must be .*got lower_bound=an int of 1329 bits", gate=gate,
+           lower_bound=-(10**400))
 
 
 @pytest.mark.parametrize("name", ["scale", "lower_bound"])

@@ -321,6 +321,9 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
     # --- what the arguments mean: the KDA of flash_kda.fwd and nothing else
     if kwargs:
         return f"arguments fla 0.6's signature does not name: {sorted(kwargs)}"
+    for name, t in (("ssm_state_indices", ssm_state_indices), ("num_accepted_tokens", num_accepted_tokens)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            return f"{name} must be a tensor, got {type(t).__name__}"
     if num_accepted_tokens is not None and (ssm_state_indices is None or ssm_state_indices.dim() != 2):
         return "num_accepted_tokens without 2-D ssm_state_indices [N, L] (fla reads it only with per-token slots)"
     reason = _kda_problem(state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
@@ -467,7 +470,7 @@ def chunk_unsupported(q, k, v, g, beta, scale=None, initial_state=None, output_f
             return "both state_v_first and the deprecated transpose_state_layout (fla raises)"
         state_v_first = kwargs["transpose_state_layout"]
     chunk_size = kwargs.get("chunk_size", 64)
-    if isinstance(chunk_size, bool) or chunk_size not in CHUNK_SIZES:
+    if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size not in CHUNK_SIZES:
         return f"chunk_size must be one of {list(CHUNK_SIZES)} (fla raises), got {chunk_size=}"
     if cp_context is not None:
         return "cp_context (context parallel) is not supported"

@@ -187,14 +187,18 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
 
 
 # The CPU path's host memory: its fp32 chunk tensors hold about 8.0-8.6 KiB per token-head at their peak (peak RSS
-# over the call, T4096 H4 / T16384 H4 / T8192 H16: 202 / 538 / 1002 MiB), plus a fixed part of tens of MiB.
+# over the call, T4096 H4 / T16384 H4 / T8192 H16: 202 / 538 / 1002 MiB), its fp32 states and their temporaries
+# [N, H, V, K] about 400-490 KiB per sequence-head (B512 T1 H4, with and without states: 796-981 MiB; B2048 T1 H4:
+# 2.9-3.4 GiB), plus a fixed part of tens of MiB.
 CPU_BYTES_PER_TOKEN_HEAD = 9 * 1024
+CPU_BYTES_PER_SEQUENCE_HEAD = 512 * 1024
 CPU_FIXED_BYTES = 128 << 20
 
 
-def cpu_bytes_needed(token_heads: int) -> int:
-    """An upper bound of the host memory the CPU path holds for a call of ``token_heads`` = B·T·H."""
-    return CPU_FIXED_BYTES + CPU_BYTES_PER_TOKEN_HEAD * token_heads
+def cpu_bytes_needed(token_heads: int, sequence_heads: int = 0) -> int:
+    """An upper bound of the host memory the CPU path holds for a call of ``token_heads`` = B·T·H over
+    ``sequence_heads`` = N·H (sequences times value heads)."""
+    return CPU_FIXED_BYTES + CPU_BYTES_PER_TOKEN_HEAD * token_heads + CPU_BYTES_PER_SEQUENCE_HEAD * sequence_heads
 
 
 def available_host_memory() -> int | None:
@@ -226,7 +230,8 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
     from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
 
     B, T, H, _ = v.shape  # H: the value heads (the path expands grouped key heads to them)
-    needed = cpu_bytes_needed(B * T * H)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    needed = cpu_bytes_needed(B * T * H, N * H)
     per_token = state_indices is not None and state_indices.dim() == 2
     also = ""
     if per_token:
@@ -240,8 +245,9 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
     available = available_host_memory()
     if available is not None and needed > available:
         raise MemoryError(
-            f"flash_kda: the CPU path needs about {_gib(needed)} for {B * T * H} token-heads "
-            f"(B*T*H from {tuple(v.shape)=}; ~{CPU_BYTES_PER_TOKEN_HEAD // 1024} KiB each){also} but the host has "
+            f"flash_kda: the CPU path needs about {_gib(needed)} for {B * T * H} token-heads and {N * H} "
+            f"sequence-heads (B*T*H from {tuple(v.shape)=}, N*H; ~{CPU_BYTES_PER_TOKEN_HEAD // 1024} and "
+            f"~{CPU_BYTES_PER_SEQUENCE_HEAD // 1024} KiB each){also} but the host has "
             f"{_gib(available)} available; use CUDA tensors or split the call"
         )
 

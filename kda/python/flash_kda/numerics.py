@@ -158,11 +158,12 @@ def _inv_norm(x: torch.Tensor) -> torch.Tensor:
 
 GATE_KINDS = ("lower_bound", "softplus")
 MIN_LOG2_DECAY = -128.0  # the softplus gate's floor on a token's γ (gate.cuh, kMinLog2Decay)
+MIN_EXP_A, MAX_EXP_A = 2.0**-126, 3.4028234663852886e38  # e^A_log held in fp32's normal range (gate.cuh, kMinExpA)
 
 
 def _gate_log2(g: torch.Tensor, A_log, dt_bias, lower_bound, ar: Arithmetic, kind: str = "lower_bound"):
     """The base-2 log decay per channel as gate.cuh computes it; g is [..., H, K] (fp32). A_log None: e^A_log = 1;
-    dt_bias None: 0.
+    dt_bias None: 0. e^A_log is clamped to [2^-126, the largest finite float], as gate.cuh holds it.
     lower_bound: γ = sigmoid((g + dt_bias) · 2^(A_log·log2 e)) · (lower_bound · log2 e);
     softplus: γ = max(−(2^(A_log·log2 e) · softplus2(g + dt_bias)), −128), unbounded below but for that floor."""
     H = g.shape[-2]
@@ -170,7 +171,8 @@ def _gate_log2(g: torch.Tensor, A_log, dt_bias, lower_bound, ar: Arithmetic, kin
     if A_log is None:
         exp_a = torch.ones(H, dtype=torch.float32, device=g.device)
     else:
-        exp_a = ar.exp2(A_log.float() * log2e)  # [H]
+        # within fp32's normal range, as gate.cuh holds it (no ∞·0 or 0·∞ below; a NaN stays NaN)
+        exp_a = ar.exp2(A_log.float() * log2e).clamp(MIN_EXP_A, MAX_EXP_A)  # [H]
     x = g if dt_bias is None else g + dt_bias.float().reshape(-1, HEAD_DIM)
     if kind == "softplus":
         gamma = -(exp_a[:, None] * ar.softplus2(x))

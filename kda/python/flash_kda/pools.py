@@ -155,8 +155,17 @@ def checkpoint_entries(checkpoint_indices: torch.Tensor, checkpoint_every: int, 
     """
     indices = checkpoint_indices.detach().to("cpu", torch.int64)
     N, M = indices.shape
-    tokens = torch.arange(1, M + 1, dtype=torch.int64) * checkpoint_every  # [M]: (m+1)·C
-    length = torch.as_tensor(lengths, dtype=torch.int64).to("cpu").view(N, 1)
-    written = (tokens.view(1, M) <= length) & (indices >= 0) & (indices < pool_slots)
+    written = checkpoints_reached(lengths, checkpoint_every, M) & (indices >= 0) & (indices < pool_slots)
     sequences, columns = torch.nonzero(written, as_tuple=True)
-    return list(zip(sequences.tolist(), tokens[columns].tolist())), indices[written]
+    # (Python ints: a written checkpoint's (m+1)·C is at most its sequence's length.)
+    entries = [(n, (m + 1) * checkpoint_every) for n, m in zip(sequences.tolist(), columns.tolist())]
+    return entries, indices[written]
+
+
+def checkpoints_reached(lengths, checkpoint_every: int, columns: int) -> torch.Tensor:
+    """[N, M] bool on the CPU: whether checkpoint m of sequence n falls within it, (m+1)·C <= lengths[n], for
+    C = ``checkpoint_every`` > 0 and M = ``columns``. Counted as m < lengths[n] // C, so that no product (m+1)·C is
+    formed: with a C near 2^63 it would wrap in int64 and name a checkpoint the sequence never reaches."""
+    length = torch.as_tensor(lengths, dtype=torch.int64).to("cpu").view(-1, 1)
+    reached = length // min(int(checkpoint_every), 2**62)  # (a C past every length reaches none)
+    return torch.arange(columns, dtype=torch.int64).view(1, columns) < reached

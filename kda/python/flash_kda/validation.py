@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from flash_kda import pools
+
 __all__ = ["validate", "well_formed", "first_requiring_grad", "check_cu_seqlens", "check_state_indices",
            "check_num_accepted_tokens", "check_token_state_reads", "check_checkpoint_indices", "sequence_lengths",
            "check_arch",
@@ -70,6 +72,16 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
                 f"(torch.is_grad_enabled()): {name} would get no gradient; call fwd under torch.no_grad() or "
                 f"torch.inference_mode(), or pass {name}.detach()"
             )
+    if concrete and not torch.is_inference_mode_enabled():
+        for name, t in (("out", out), ("final_state", final_state), ("workspace", workspace)):
+            if isinstance(t, torch.Tensor) and t.is_inference():
+                # PyTorch refuses in-place updates of an inference tensor outside inference mode; the CPU path would
+                # fail part way (out written, final_state not), the CUDA kernels would write it behind autograd.
+                raise RuntimeError(
+                    f"{name} is an inference tensor (created under torch.inference_mode()) and fwd runs outside "
+                    f"inference mode, where PyTorch does not allow writing it in place; call fwd under "
+                    f"torch.inference_mode() or pass a tensor created outside it as {name}"
+                )
     return dims
 
 
@@ -269,9 +281,9 @@ def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, i
         raise ValueError(f"gate must be one of {list(GATE_CODES)}, got {gate=}")
     if allow_neg_eigval is not True and allow_neg_eigval is not False:
         raise TypeError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval=} of {type(allow_neg_eigval)=}")
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not _finite(scale):
         why = " (a Python or NumPy number: a tensor's value is not read, which would wait for its device)"
-        raise ValueError(f"scale must be a finite real number, got {scale=}" +
+        raise ValueError(f"scale must be a finite real number, got scale={_shown(scale)}" +
                          (why if isinstance(scale, torch.Tensor) else ""))
     if abs(float(scale)) >= FP32_OVERFLOW:  # (as a Python float: a NumPy float32 would overflow the bound's cast)
         raise ValueError(f"scale must be finite in float32 (|scale| < {FP32_OVERFLOW:.9g}; the kernel computes "
@@ -280,18 +292,19 @@ def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, i
         if (
             not isinstance(lower_bound, numbers.Real)
             or isinstance(lower_bound, bool)
-            or not math.isfinite(lower_bound)
+            or not _finite(lower_bound)
             or not LOWER_BOUND_RANGE[0] <= lower_bound <= LOWER_BOUND_RANGE[1]
         ):
-            raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got {lower_bound=} "
+            raise ValueError(f"lower_bound must be a finite number in {list(LOWER_BOUND_RANGE)}, got "
+                             f"lower_bound={_shown(lower_bound)} "
                              "(gate='lower_bound'; only gate='softplus' takes None" +
                              ("; a Python or NumPy number: a tensor's value is not read)"
                               if isinstance(lower_bound, torch.Tensor) else ")"))
     elif lower_bound is not None and (
-        not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool) or not math.isfinite(lower_bound)
+        not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool) or not _finite(lower_bound)
     ):
         raise ValueError(f"lower_bound must be None or a finite real number with gate='softplus' (which does not "
-                         f"use it), got {lower_bound=}")
+                         f"use it), got lower_bound={_shown(lower_bound)}")
     # (a SymInt: torch.compile traces an int that changed between calls as a symbol)
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, torch.SymInt)):
         raise TypeError(f"checkpoint_every must be an int (tokens between checkpoints), got {checkpoint_every=} of "
@@ -305,6 +318,22 @@ def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, i
                          f"chunk boundaries), got {checkpoint_every=} with checkpoint_indices given")
 
     return B, T, HV, N, H
+
+
+def _finite(x: numbers.Real) -> bool:
+    """Whether a real number is finite as a float (an int too large for one is not: math.isfinite would raise
+    OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _shown(x) -> str:
+    """x for an error message: repr, or an int's size where its digits would be too many to print."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and abs(int(x)).bit_length() > 256:
+        return f"an int of {abs(int(x)).bit_length()} bits"
+    return repr(x)
 
 
 def first_requiring_grad(tensors: dict) -> str | None:
@@ -532,6 +561,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         raise TypeError(f"cu_seqlens must be an int64 or int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))=}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
+    if not isinstance(total_tokens, numbers.Integral) or isinstance(total_tokens, bool):
+        raise TypeError(f"total_tokens must be an int (the packed length), got {total_tokens=} of "
+                        f"{type(total_tokens)=}")
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0].item()} in cu_seqlens={cu.tolist()}")
@@ -709,9 +741,8 @@ def check_checkpoint_indices(checkpoint_indices: torch.Tensor, pool_slots: int,
         return
     N, M = indices.shape
     finals = state_indices.detach().to("cpu", torch.int64).view(N, 1)
-    tokens = checkpoint_every * torch.arange(1, M + 1).view(1, M)
-    lengths = lengths.to("cpu", torch.int64).view(N, 1)
-    written = (indices >= 0) & (tokens <= lengths) & (indices != finals)  # (own final slot: the final state's)
+    reached = pools.checkpoints_reached(lengths, checkpoint_every, M)
+    written = (indices >= 0) & reached & (indices != finals)  # (own final slot: the final state's)
     # Every write as (slot, entry): final states first (entry n), then the written checkpoints (entry N + n·M + m).
     entries = torch.cat([torch.nonzero(finals.flatten() >= 0).flatten(), N + torch.nonzero(written.flatten()).flatten()])
     slots = torch.cat([finals.flatten(), indices.flatten()])[entries]
