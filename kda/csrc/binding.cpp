@@ -416,6 +416,14 @@ PYBIND11_MODULE(_C, m) {
       "0: the overlap with that lead on a fixed-length batch; -1: none), decode (True: the decode kernel, whatever the "
       "rest says; False: a chunked plan). A forced V split runs two stages and anything forced runs without the "
       "overlap, unless single_pass or lead_chunks say otherwise; anything forced but decode runs a chunked plan.");
+  m.def(
+      "plan_error",
+      [](const kda::Plan& plan, bool varlen, int64_t num_seqs, int gate) {
+        return kda::plan_error(plan, varlen, num_seqs, static_cast<kda::GateKind>(gate));
+      },
+      py::arg("plan"), py::arg("varlen"), py::arg("num_seqs"), py::arg("gate") = 0,
+      "Why fwd refuses to run `plan` for a call of num_seqs sequences (varlen: with cu_seqlens) and this gate "
+      "code, or \"\" when it runs it (kda_plan.h, plan_error).");
   m.def("decode_chunk_runs", &kda::decode_chunk_runs, py::arg("total_tokens"), py::arg("num_seqs"),
         py::arg("state_tokens"),
         "Whether a decode plan runs the chunk step (decode_chunk.cu) rather than the token-by-token kernel for a call "

@@ -98,6 +98,28 @@ def test_compile_fullgraph_with_options_equals_eager_cpu(shape):
     _assert_same(compiled, eager)
 
 
+def test_compile_fullgraph_takes_numpy_float64_scalars_and_a_huge_checkpoint_every_cpu():
+    """NumPy float64 scale / lower_bound arguments of the compiled function, and a checkpoint_every past int64 (no
+    sequence reaches it: no checkpoint written), trace into the operator and equal eager."""
+    import numpy as np  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    x = make_inputs("cpu", state=None)
+    pool = torch.full((2, 2, D, D), float("nan"))
+
+    def call(q, k, v, g, beta, scale, lower_bound, pool, every):
+        out = torch.empty_like(v)
+        flash_kda.fwd(q, k, v, g, beta, scale, out, None, None, lower_bound, None, pool,
+                      state_indices=torch.tensor([0]), checkpoint_indices=torch.tensor([[1]]), checkpoint_every=every)
+        return out, pool
+
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    eager = call(*args, D**-0.5, -5.0, pool.clone(), 2**63)
+    compiled = torch.compile(call, fullgraph=True)(*args, np.float64(D**-0.5), np.float64(-5.0), pool.clone(), 2**63)
+    _assert_same((compiled[0], compiled[1][0]), (eager[0], eager[1][0]))  # out and the final state's slot
+    assert torch.isnan(compiled[1][1]).all(), "a checkpoint past every sequence's end was written"
+
+
 def test_operator_equals_fwd_cpu():
     x = make_inputs("cpu")
     out_a, out_b = torch.empty_like(x["v"]), torch.empty_like(x["v"])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flash_kda
-from flash_kda import planning, reference, validation
+from flash_kda import compare, planning, reference, testing, validation
 
 B, T, H, D = 1, 5, 2, 128
 N = 1
@@ -586,6 +586,37 @@ def test_plan_and_workspace_take_the_value_heads():
             planning.plan(x["q"], heads=bad)
 
 
+def test_plan_and_workspace_refuse_what_fwd_refuses():
+    """The host-only helpers check shapes and dtypes as fwd does (no tensor reads): they never return a plan or a
+    byte count for a call that fwd would refuse, nor let an extension's argument error through."""
+    q = torch.zeros(1, 64, 2, D)
+    for cu, pattern in ((torch.tensor([], dtype=torch.int64), "N >= 1"), (torch.tensor([0]), "N >= 1"),
+                        (torch.tensor([0.0, 32.0, 64.0]), "int64 or int32")):
+        with pytest.raises(ValueError, match=f"cu_seqlens must be .*{pattern}"):
+            flash_kda.workspace_bytes(q, cu)
+    with pytest.raises(ValueError, match=r"cu_seqlens needs B = 1"):
+        flash_kda.plan(torch.zeros(2, 64, 2, D), torch.tensor([0, 32, 64]))
+    cu = torch.tensor([0, 32, 64])
+    for indices in (torch.zeros(2, 3, 4, dtype=torch.int64), torch.zeros(2), torch.zeros(3, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"state_indices must be int64 or int32 \[N\] or \[N, L\] with N = 2"):
+            flash_kda.workspace_bytes(q, cu, indices)
+    with pytest.raises(ValueError, match=r"at most 2\^31 - 1 heads"):
+        flash_kda.plan(q, heads=2**31)
+    with testing.force_plan(single_pass=True), pytest.raises(ValueError, match="single pass runs the lower-bound"):
+        flash_kda.plan(q, gate="softplus")
+    with pytest.raises(ValueError, match=r"total_tokens must be an int in \[0, "):
+        planning.decode_chunk_runs(2**63, 1)
+
+
+def test_force_plan_takes_numpy_ints_and_refuses_sizes_past_int32():
+    q = torch.zeros(1, 4096, 2, D)
+    with testing.force_plan(v_split=np.int64(2)):
+        assert flash_kda.plan(q).v_split == 2
+    for name in ("segment_chunks", "lead_chunks"):
+        with pytest.raises(ValueError, match=rf"{name} must be None .*2\^31"), testing.force_plan(**{name: 2**31}):
+            pass
+
+
 def test_plan_takes_the_gate():
     """The single pass runs the lower-bound gate only: a shape it would take runs two stages with the softplus gate
     (plan, workspace_bytes and the cached plan_for all follow the gate)."""
@@ -600,6 +631,43 @@ def test_plan_takes_the_gate():
 
 
 # --- cu_seqlens contents (CPU: validated inline; anywhere: check_cu_seqlens) ------------------------------
+
+
+def test_check_cu_seqlens_names_total_tokens_and_keeps_its_message_short():
+    with pytest.raises(ValueError, match=r"total_tokens must be in \[0, 2\^63\), got total_tokens=-1"):
+        flash_kda.check_cu_seqlens(torch.tensor([0, -1]), -1)
+    with pytest.raises(ValueError, match=r"total_tokens must be in \[0, 2\^63\)"):
+        flash_kda.check_cu_seqlens(torch.tensor([0, 3, 5]), 2**70)
+    with pytest.raises(TypeError, match=r"total_tokens must be an int"):
+        flash_kda.check_cu_seqlens(torch.tensor([0, 1]), "1")
+    cu = torch.arange(100_001)
+    cu[0] = 1
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0") as raised:
+        flash_kda.check_cu_seqlens(cu, 100_000)
+    assert len(str(raised.value)) < 200
+
+
+def test_compare_windows_check_their_boundaries_and_window():
+    """Boundaries that leave tokens out would report a worst window over part of the tensor: refused."""
+    x = torch.randn(1, 10, 3)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must equal the number of tokens 10"):
+        compare.compare(x, x + 0.1, window=4, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0"):
+        compare.compare(x, x + 0.1, window=4, cu_seqlens=torch.tensor([3, 10]))
+    for window in (2.5, True, "3"):
+        with pytest.raises(TypeError, match="window must be an int"):
+            compare.compare(x, x + 0.1, window=window)
+    assert compare.compare(x, x + 0.1, window=4, cu_seqlens=torch.tensor([0, 4, 10])).window_rel_l2 > 0
+
+
+@pytest.mark.parametrize("call", ["last_error", "reserve_workspace", "device_info"])
+def test_device_helpers_refuse_a_bool_or_negative_device_by_name(call):
+    fn = {"last_error": lambda d: flash_kda.last_error(d), "reserve_workspace": lambda d: flash_kda.reserve_workspace(16, d),
+          "device_info": lambda d: flash_kda.device_info(d)}[call]
+    with pytest.raises(TypeError, match=rf"{call} needs a CUDA device .*got device=True"):
+        fn(True)
+    with pytest.raises(ValueError, match=rf"{call} needs a CUDA device index >= 0"):
+        fn(-1)
 
 
 BAD_CU = [

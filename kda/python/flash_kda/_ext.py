@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from types import ModuleType
 
 import torch
@@ -61,7 +62,14 @@ def cuda_device(device, caller: str) -> torch.device | None:
     which may not exist: an int here is a CUDA index)."""
     if device is None:
         return None
-    device = torch.device("cuda", int(device)) if isinstance(device, int) else torch.device(device)
+    if isinstance(device, bool):  # (an int to Python, but never meant as a device index)
+        raise TypeError(f"{caller} needs a CUDA device (None, an int index, a str or a torch.device), got {device=}")
+    if isinstance(device, numbers.Integral):  # a NumPy integer too
+        if device < 0:
+            raise ValueError(f"{caller} needs a CUDA device index >= 0, got {device=}")
+        device = torch.device("cuda", int(device))
+    else:
+        device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"{caller} needs a CUDA device, got {device=}")
     return device
@@ -70,11 +78,13 @@ def cuda_device(device, caller: str) -> torch.device | None:
 def cuda_index(device: torch.device | None, caller: str) -> int:
     """The index of ``cuda_device``'s result, the current CUDA device's for None or no index; a RuntimeError naming
     ``caller`` where torch sees no CUDA device (torch's own error says neither which call nor why)."""
-    if device is not None and device.index is not None:
-        return device.index
     if not torch.cuda.is_available():
         raise RuntimeError(f"{caller} needs a CUDA device and torch sees none (torch.cuda.is_available() is False); "
                            "flash_kda.fwd runs on CPU tensors without one")
+    if device is not None and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"{caller}: no CUDA device {device.index} (torch sees {torch.cuda.device_count()})")
+        return device.index
     return torch.cuda.current_device()
 
 

@@ -21,6 +21,11 @@ __all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_
            "LOWER_BOUND_RANGE"]
 
 
+# checkpoint_every past any sequence length (2^62 tokens, a multiple of 16) is taken as this: an int64 for the
+# operator's schema under torch.compile, and no product (m+1)·C that wraps.
+_CHECKPOINT_EVERY_CAP = 2**62
+
+
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
         out: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
         initial_state: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
@@ -73,6 +78,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     | num_accepted_tokens | None / int64 / int32 | [N] | with state_indices [N, L] only: a_n, sequence n starts from slot state_indices[n, a_n − 1] (keyword only; None: a_n = 1); may be on the CPU |
     | checkpoint_indices | None / int64 / int32 | [N, M] | with pooled states (state_indices [N]): the pool slot of the state after the first (m + 1)·C tokens of sequence n (keyword only; below); on q's device |
     | checkpoint_every | int (or a NumPy integer) | — | C, a multiple of 16, with checkpoint_indices (keyword only; default 0: none) |
+
+    Under ``torch.compile`` pass ``scale``, ``lower_bound`` and ``checkpoint_every`` as Python numbers where they are
+    arguments of the compiled function: torch.compile traces a NumPy scalar argument as data (an np.float64 is
+    taken as its value; an np.float32 or NumPy integer becomes a symbol the operator cannot take).
 
     K = V = 128. All tensors are contiguous and on one device. The two states may differ in dtype (fla passes a
     bf16 initial state with an fp32 final state); ``final_state`` may be the ``initial_state`` tensor itself.
@@ -137,10 +146,22 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     if type(checkpoint_every) is not int and isinstance(checkpoint_every, numbers.Integral) and not isinstance(
             checkpoint_every, bool):
         checkpoint_every = int(checkpoint_every)  # a NumPy integer (as scale takes NumPy numbers)
+    if type(checkpoint_every) is int and checkpoint_every > _CHECKPOINT_EVERY_CAP and checkpoint_every % 16 == 0:
+        checkpoint_every = _CHECKPOINT_EVERY_CAP  # no sequence reaches either: the same call, and an int64 for the op
     if torch.compiler.is_compiling():
         # Traced as one opaque operator (flash_kda/ops.py): the body below reads data pointers, which fake tensors
         # do not have, and would break the graph.
         from flash_kda import ops  # noqa: PLC0415 -- registers the operator on first use
+
+        # NumPy scalars as Python numbers, as eager calls take them (the operator's schema wants float and int;
+        # torch.compile traces a NumPy scalar argument as an array: float() of an np.float64 is its value, of an
+        # np.float32 or int() of a NumPy integer a data-dependent symbol, refused by the operator's schema).
+        if type(scale).__module__ == "numpy":
+            scale = float(scale)
+        if type(lower_bound).__module__ == "numpy":
+            lower_bound = float(lower_bound)
+        if type(checkpoint_every).__module__ == "numpy":
+            checkpoint_every = int(checkpoint_every)
 
         return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +146,8 @@ def compare(
 
 
 def _windows(diff: torch.Tensor, ref: torch.Tensor, window: int, cu_seqlens: torch.Tensor | None) -> dict:
+    if not isinstance(window, numbers.Integral) or isinstance(window, bool):
+        raise TypeError(f"window must be an int (tokens per window), got {window=} of {type(window)=}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window=}")
     if diff.dim() < 2:
@@ -160,6 +163,9 @@ def _windows(diff: torch.Tensor, ref: torch.Tensor, window: int, cu_seqlens: tor
     else:
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1 along dim 0, got shape {tuple(diff.shape)}")
+        # Boundaries that leave tokens out would report a worst window over part of the tensor only.
+        from flash_kda.validation import check_cu_seqlens  # noqa: PLC0415 -- compare imports without the extension
+        check_cu_seqlens(cu_seqlens, T)
         cu = [int(x) for x in cu_seqlens.tolist()]
         starts, lengths = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
     err2, ref2 = err2.flatten().cpu(), ref2.flatten().cpu()

@@ -46,8 +46,10 @@ Both backends take a call only where ``flash_kda.fwd`` computes what fla's kerne
 The calls map onto ``flash_kda.fwd`` as fla's functions define their results (``chunk_kda`` and
 ``fused_recurrent_kda_fwd`` below have the tables): out like v, bf16; final states fp32 [N, HV, V, K] when asked
 for (or, in the recurrent path with ``inplace_final_state``, written into ``initial_state``, a pool indexed by
-``ssm_state_indices`` or one state per sequence); fla's flat ``dt_bias`` [HV·K] viewed as [HV, K]. A negative or
-too large slot index starts from zeros and writes nothing (``flash_kda.fwd``'s pool rule).
+``ssm_state_indices`` or one state per sequence); fla's flat ``dt_bias`` [HV·K] viewed as [HV, K]. Slot indices
+follow ``flash_kda.fwd``'s pool rule: a negative index starts from zeros and writes nothing; on the device, so does
+one past the pool (``flash_kda.last_error()`` names it); a CPU ``ssm_state_indices`` is checked before the call,
+and one past the pool, or a slot written twice, is refused with a ValueError naming the entry.
 
 ``FLA_FLASH_KDA=0`` turns both backends off (it is fla's switch for backends of type ``"flash_kda"``, read at every
 call), and fla's ``FLA_DISABLE_BACKEND_DISPATCH=1`` bypasses every backend.

@@ -88,7 +88,15 @@ def decode_chunk_runs(total_tokens: int, num_seqs: int, state_tokens: int = 0) -
     """Whether a decode plan runs its chunk step (decode_chunk.cu) for a call of ``total_tokens`` tokens over
     ``num_seqs`` sequences with ``state_tokens`` per-token states (``kda::decode_chunk_runs``); otherwise the
     token-by-token kernel (decode.cu) runs."""
-    return bool(_ext.load().decode_chunk_runs(total_tokens, num_seqs, state_tokens))
+    return bool(_ext.load().decode_chunk_runs(_count("total_tokens", total_tokens), _count("num_seqs", num_seqs),
+                                              _count("state_tokens", state_tokens, 2**31)))
+
+
+def _count(name: str, value, limit: int = 2**63) -> int:
+    """A size argument as an int in [0, limit), or a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < limit:
+        raise ValueError(f"{name} must be an int in [0, {limit}), got {name}={value!r}")
+    return int(value)
 
 
 def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
@@ -118,6 +126,11 @@ def workspace_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
             raise TypeError(f"{name} must be None or the call's {name} tensor, got {type(t).__name__}")
     kernel_bytes = _plan_and_bytes(q, cu_seqlens, heads, gate)[1]  # (checks q and cu_seqlens)
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
+    for name, t, dims in (("state_indices", state_indices, (1, 2)), ("num_accepted_tokens", num_accepted_tokens, (1,))):
+        if t is not None and (t.dtype not in (torch.int32, torch.int64) or t.dim() not in dims or t.shape[0] != N):
+            shapes = " or ".join(("[N]", "[N, L]")[d - 1] for d in dims)
+            raise ValueError(f"{name} must be int64 or int32 {shapes} with N = {N} (the call's sequences), got "
+                             f"{name}.dtype={t.dtype}, {name}.shape={tuple(t.shape)}")
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     indices_on_host = state_indices is not None and cu_seqlens_on_host(q, state_indices)
     accepted_on_host = num_accepted_tokens is not None and cu_seqlens_on_host(q, num_accepted_tokens)
@@ -175,14 +188,25 @@ def _plan_and_bytes(q: torch.Tensor, cu_seqlens: torch.Tensor | None, heads: int
     if cu_seqlens is not None and (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1):
         raise TypeError(f"cu_seqlens must be None or the call's 1-D boundaries [N + 1], got {type(cu_seqlens).__name__} "
                         f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else ''}".rstrip())
+    if cu_seqlens is not None and (cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2):
+        raise ValueError(f"cu_seqlens must be int64 or int32 boundaries [N + 1] with N >= 1, got "
+                         f"cu_seqlens.dtype={cu_seqlens.dtype}, cu_seqlens.shape={tuple(cu_seqlens.shape)}")
     B, T, H = (int(d) for d in q.shape[:3])  # (int: symbolic sizes under torch.compile specialise here)
-    if heads is not None:
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens needs B = 1 (the sequences packed along dim 1), got q.shape={tuple(q.shape)}")
+    if heads is not None:  # (the call's value heads, whether the tensor given is q or v)
         if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads < 0:
             raise ValueError(f"heads must be None or the call's value heads (a non-negative int), got {heads=}")
         H = int(heads)
+    if H >= 2**31:
+        raise ValueError(f"a call has at most 2^31 - 1 heads (a CUDA launch takes at most 65535), got {H}")
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else B
     sm_count = _sm_count(q.device) if q.device.type == "cuda" else DEFAULT_SM_COUNT
-    return plan_for(B, T, H, N, cu_seqlens is not None, sm_count, GATE_CODES[gate])
+    run, nbytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count, GATE_CODES[gate])
+    problem = _ext.load().plan_error(run, cu_seqlens is not None, N, GATE_CODES[gate])
+    if problem:
+        raise ValueError(problem)  # (as fwd would refuse it: a forced plan this call cannot run)
+    return run, nbytes
 
 
 def plan_for(B: int, T: int, H: int, N: int, varlen: bool, sm_count: int, gate: int = 0) -> tuple[Plan, int]:

@@ -24,6 +24,7 @@ through a context variable of ``flash_kda.planning``; it is part of every plan-c
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Iterator, Optional
 
 from flash_kda import _ext, planning
@@ -48,21 +49,26 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
     | lead_chunks | int / None | L >= 0: the overlap, lead of L chunks (fixed-length batches; v_split 1, no time split); -1: none; None: automatic (none when anything else is forced) |
     | decode | bool / None | True: the decode kernel (nothing else may be forced); False: a chunked plan; None: automatic (sequences of at most 16 tokens, mean for varlen; a chunked plan when anything else is forced) |
     """
+    # NumPy integers as the ints they hold (as fwd takes them); sizes past an int32 cannot be a plan's
+    v_split, scan_v_split, segment_chunks, lead_chunks = (
+        int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
+        for x in (v_split, scan_v_split, segment_chunks, lead_chunks))
     for name, value in (("v_split", v_split), ("scan_v_split", scan_v_split)):
         if isinstance(value, bool) or not isinstance(value, int) or value not in (0, *V_SPLITS):
             raise ValueError(f"{name} must be 0 (automatic) or one of {list(V_SPLITS)}, got {name}={value!r}")
     if segment_chunks is not None and (
-        isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int) or segment_chunks < 0
+        isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int) or not 0 <= segment_chunks < 2**31
     ):
-        raise ValueError(f"segment_chunks must be None (automatic) or an int >= 0, got {segment_chunks=}")
+        raise ValueError(f"segment_chunks must be None (automatic) or an int in [0, 2^31), got {segment_chunks=}")
     if single_pass is not None and not isinstance(single_pass, bool):
         raise ValueError(f"single_pass must be None (automatic), True or False, got {single_pass=!r}")
     if single_pass and (v_split not in (0, 1) or scan_v_split or segment_chunks):
         raise ValueError("single_pass=True runs v_split 1 without a time split, got "
                          f"{v_split=}, {scan_v_split=}, {segment_chunks=}")
     if lead_chunks is not None and (isinstance(lead_chunks, bool) or not isinstance(lead_chunks, int)
-                                    or lead_chunks < -1):
-        raise ValueError(f"lead_chunks must be None (automatic), -1 (no overlap) or an int >= 0, got {lead_chunks=}")
+                                    or not -1 <= lead_chunks < 2**31):
+        raise ValueError(f"lead_chunks must be None (automatic), -1 (no overlap) or an int in [0, 2^31), got "
+                         f"{lead_chunks=}")
     if lead_chunks is not None and lead_chunks >= 0 and (v_split not in (0, 1) or scan_v_split or segment_chunks
                                                           or single_pass):
         raise ValueError("lead_chunks >= 0 runs v_split 1 without a time split or the single pass, got "
@@ -88,6 +94,7 @@ def default_v_split(num_seqs: int, heads: int, sm_count: int) -> int:
 
 
 def default_plan(total_tokens: int, seqlen: int, num_seqs: int, heads: int, varlen: bool,
-                 sm_count: int) -> planning.Plan:
-    """The plan ``fwd`` chooses for these shapes on a GPU with ``sm_count`` SMs (nothing forced)."""
-    return _ext.load().choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count)
+                 sm_count: int, gate: str = "lower_bound") -> planning.Plan:
+    """The plan ``fwd`` chooses for these shapes and gate on a GPU with ``sm_count`` SMs (nothing forced)."""
+    return _ext.load().choose_plan(total_tokens, seqlen, num_seqs, heads, varlen, sm_count,
+                                   gate=planning.GATE_CODES[gate])

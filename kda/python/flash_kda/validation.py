@@ -151,7 +151,8 @@ def _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, i
             raise ValueError(f"all tensors must be on one device, got q.device={device} but {name}.device={t.device}")
     if workspace is not None:
         if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8:
-            raise TypeError(f"workspace must be a uint8 tensor, got {getattr(workspace, 'dtype', type(workspace))=}")
+            got = f"dtype {workspace.dtype}" if isinstance(workspace, torch.Tensor) else f"{type(workspace)=}"
+            raise TypeError(f"workspace must be a uint8 tensor, got {got}")
         if workspace.device != device:
             raise ValueError(f"workspace must be on q's device, got {workspace.device=} {q.device=}")
 
@@ -558,15 +559,19 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
     Raises ValueError naming the problem unless N >= 1, cu[0] == 0, cu is non-decreasing and cu[N] == T.
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
-        raise TypeError(f"cu_seqlens must be an int64 or int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))=}")
+        got = f"dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor) else f"{type(cu_seqlens)=}"
+        raise TypeError(f"cu_seqlens must be an int64 or int32 tensor, got {got}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
     if not isinstance(total_tokens, numbers.Integral) or isinstance(total_tokens, bool):
-        raise TypeError(f"total_tokens must be an int (the packed length), got {total_tokens=} of "
-                        f"{type(total_tokens)=}")
+        raise TypeError(f"total_tokens must be an int (the packed length), got total_tokens={_shown(total_tokens)} "
+                        f"of {type(total_tokens)=}")
+    if not 0 <= total_tokens < 2**63:
+        raise ValueError(f"total_tokens must be in [0, 2^63), got total_tokens={_shown(total_tokens)}")
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if cu[0] != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0].item()} in cu_seqlens={cu.tolist()}")
+        shown = cu.tolist() if cu.numel() <= 8 else f"[{', '.join(map(str, cu[:8].tolist()))}, ...]"
+        raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0].item()} in cu_seqlens={shown}")
     steps = cu[1:] - cu[:-1]
     if (steps < 0).any():
         n = int(torch.nonzero(steps < 0)[0])
