@@ -516,3 +516,22 @@ def test_checkpoints_need_pools(gen):
     for fn in (reference.reference_loop, reference.reference_chunked):
         with pytest.raises(ValueError, match=r"checkpoint_indices needs state_indices \[N\]"):
             fn(**x, checkpoint_indices=torch.zeros(2, 1, dtype=torch.int64), checkpoint_every=16)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(checkpoint_every=0), r"checkpoint_every must be a positive multiple of 16, got checkpoint_every=0"),
+    (dict(checkpoint_every=24), r"checkpoint_every must be a positive multiple of 16"),
+    (dict(checkpoint_indices=torch.tensor([1, -1])), r"checkpoint_indices must be \[N, M\] with N = 2"),
+    (dict(checkpoint_indices=torch.tensor([[1]])), r"checkpoint_indices must be \[N, M\] with N = 2"),
+], ids=["C=0", "C=24", "1-D", "N=1"])
+def test_checkpoint_arguments_are_refused_by_name(changes, pattern):
+    """The references take checkpoints as fwd does: C a positive multiple of 16, indices [N, M]."""
+    gen = torch.Generator().manual_seed(0)
+    T, H, D = 32, 1, 128
+    x = [torch.randn(1, T, H, D, generator=gen, dtype=torch.float64) for _ in range(4)]
+    beta = torch.randn(1, T, H, generator=gen, dtype=torch.float64)
+    args = dict(initial_state=None, cu_seqlens=torch.tensor([0, 16, 32]), state_indices=torch.tensor([0, 2]),
+                final_state=torch.zeros(3, H, D, D, dtype=torch.float64), checkpoint_indices=torch.tensor([[1], [-1]]),
+                checkpoint_every=16)
+    with pytest.raises(ValueError, match=pattern):
+        reference.reference_loop(*x, beta, D**-0.5, None, None, -5.0, **{**args, **changes})

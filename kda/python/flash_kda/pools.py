@@ -153,6 +153,13 @@ def checkpoint_entries(checkpoint_indices: torch.Tensor, checkpoint_every: int, 
     | lengths | int64 / list | [N] | the sequences' lengths |
     | pool_slots | int | — | P, the pool's first dimension |
     """
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 16 or (
+            checkpoint_every % 16):
+        raise ValueError(f"checkpoint_every must be a positive multiple of 16, got {checkpoint_every=}")
+    lengths = torch.as_tensor(lengths, dtype=torch.int64).to("cpu").flatten()
+    if checkpoint_indices.dim() != 2 or checkpoint_indices.shape[0] != lengths.numel():
+        raise ValueError(f"checkpoint_indices must be [N, M] with N = {lengths.numel()} (the sequences), got "
+                         f"checkpoint_indices.shape={tuple(checkpoint_indices.shape)}")
     indices = checkpoint_indices.detach().to("cpu", torch.int64)
     N, M = indices.shape
     written = checkpoints_reached(lengths, checkpoint_every, M) & (indices >= 0) & (indices < pool_slots)
