@@ -18,7 +18,8 @@
 #      own MODULE.tools still asks for (protobuf, zlib, apple_support, buildozer, ...) overridden by an empty
 #      generated module (discovered: a "module X not found in registries" error adds a stub and retries).
 #   4. `bazel build //...` (must include the CUDA library and the pybind11 extension) and
-#      `bazel test //kda/tests:all`; any failure exits non-zero.
+#      `bazel test //kda/tests:all`; then a module that depends on flash_kda (bazel_dep + local_path_override)
+#      runs tools/ci/consumer/uses_flash_kda.py on @flash_kda//kda:py; any failure exits non-zero.
 # Mounts live in a private mount namespace (unshare -m), so they vanish with it whatever happens; the chroot
 # directory is deleted on exit (KDA_BZLMOD_KEEP=1 keeps it for debugging).
 # Environment: KDA_PYTHON, KDA_ARTIFACT_CACHE, KDA_BZLMOD_CACHE, KDA_BZLMOD_WORKDIR (default /var/tmp),
@@ -151,7 +152,7 @@ EOF
     local log="${chroot_dir}/tmp/bazel-${cmd}.log" rc attempt missing
     for attempt in 1 2 3 4 5 6 7 8 9 10; do
       set +e
-      in_chroot "cd ${src} && exec bazel ${cmd} $(flags_for) $*" 2>&1 | tee "${log}" | grep -v -E '^(Analyzing|Loading|Computing|Fetching)' >&2
+      in_chroot "cd ${bazel_dir:-${src}} && exec bazel ${cmd} $(flags_for) $*" 2>&1 | tee "${log}" | grep -v -E '^(Analyzing|Loading|Computing|Fetching)' >&2
       rc=${PIPESTATUS[0]}
       set -e
       [[ ${rc} == 0 ]] && return 0
@@ -181,8 +182,24 @@ EOF
   echo "bzlmod_check: == bazel test ${KDA_BZLMOD_TESTS:-//kda/tests:all} (Bazel 7, bzlmod; GPU tests skip without a GPU) ==" >&2
   rc=0
   bazel_in_chroot test "${KDA_BZLMOD_TESTS:-//kda/tests:all}" || rc=12
-  echo "bzlmod_check: modules overridden by empty stubs: ${stubbed[*]}" >&2
   in_chroot "cd ${src} && bazel shutdown" >/dev/null 2>&1 || true
+
+  # A module that depends on FlashKDA: bazel_dep + local_path_override, a py_test on @flash_kda//kda:py (the CUDA
+  # library compiled from a non-root module, a CPU forward against float64; tools/ci/consumer_check.sh does the
+  # same under WORKSPACE).
+  if [[ ${rc} == 0 ]]; then
+    echo "bzlmod_check: == a module depending on flash_kda: bazel test //:uses_flash_kda ==" >&2
+    consumer=/src/consumer
+    mkdir -p "${chroot_dir}${consumer}"
+    cp "${chroot_dir}${src}/tools/ci/consumer/uses_flash_kda.py" "${chroot_dir}${consumer}/"
+    printf '%s\n' 'module(name = "consumer")' '' 'bazel_dep(name = "flash_kda", version = "0.1.0")' \
+      "local_path_override(module_name = \"flash_kda\", path = \"${src}\")" > "${chroot_dir}${consumer}/MODULE.bazel"
+    printf '%s\n' 'py_test(' '    name = "uses_flash_kda",' '    srcs = ["uses_flash_kda.py"],' \
+      '    deps = ["@flash_kda//kda:py"],' ')' > "${chroot_dir}${consumer}/BUILD.bazel"
+    bazel_dir="${consumer}" bazel_in_chroot test --test_output=all //:uses_flash_kda || rc=13
+    in_chroot "cd ${consumer} && bazel shutdown" >/dev/null 2>&1 || true
+  fi
+  echo "bzlmod_check: modules overridden by empty stubs: ${stubbed[*]}" >&2
   exit "${rc}"
 fi
 
@@ -329,11 +346,12 @@ unshare -m --propagation private "${self}" --inner "${chroot_dir}" "${python}" "
 rc=$?
 set -e
 case "${rc}" in
-  0)  say "PASSED: Bazel ${bazel_pkg} (bzlmod) built ${KDA_BZLMOD_TARGETS:-//...} and ${KDA_BZLMOD_TESTS:-//kda/tests:all} passed"
+  0)  say "PASSED: Bazel ${bazel_pkg} (bzlmod) built ${KDA_BZLMOD_TARGETS:-//...} and ${KDA_BZLMOD_TESTS:-//kda/tests:all} passed, and a module depending on flash_kda ran it"
       echo "BZLMOD CHECK PASSED (Bazel ${bazel_pkg}, $((SECONDS - t_start)) s)" ;;
   3)  fail "the Python interpreter ${python} does not run inside the chroot" ;;
   10) fail "bazel build failed under Bazel ${bazel_pkg} (bzlmod)" ;;
   11) fail "the build under Bazel ${bazel_pkg} did not produce the CUDA library / extension" ;;
   12) fail "bazel test failed under Bazel ${bazel_pkg} (bzlmod)" ;;
+  13) fail "a module depending on flash_kda (bazel_dep + local_path_override) failed under Bazel ${bazel_pkg}" ;;
   *)  fail "the chroot run failed (exit ${rc})" ;;
 esac

@@ -17,6 +17,9 @@ _CC_HDR_EXTS = (".h", ".hh", ".hpp", ".hxx", ".inc", ".inl", ".ipp", ".tcc")
 def _basename_no_ext(f):
     return f.basename[:-(len(f.extension) + 1)] if f.extension else f.basename
 
+def _under(out_dir, root):
+    return out_dir + "/" + root if root else out_dir
+
 def _cuda_objects_impl(ctx):
     cc_toolchain = ctx.attr._cc_toolchain[cc_common.CcToolchainInfo]
     host_cc = cc_toolchain.compiler_executable
@@ -25,9 +28,11 @@ def _cuda_objects_impl(ctx):
     comp_ctxs = [d[CcInfo].compilation_context for d in ctx.attr.deps if CcInfo in d]
     headers = depset(ctx.files.hdrs, transitive = [c.headers for c in comp_ctxs])
 
-    # nvcc has no -iquote: every include root becomes -I. The workspace root and the output roots make
-    # `#include "kda/csrc/..."` work for sources and generated headers alike.
-    inc_dirs = [".", ctx.genfiles_dir.path, ctx.bin_dir.path]
+    # nvcc has no -iquote: every include root becomes -I. The target's repository root and the output roots under
+    # it make `#include "kda/csrc/..."` work for sources and generated headers alike, in this workspace (root ".")
+    # and where another workspace depends on this one (root "external/<name>").
+    root = ctx.label.workspace_root
+    inc_dirs = [root or ".", _under(ctx.genfiles_dir.path, root), _under(ctx.bin_dir.path, root)]
     defines = []
     for c in comp_ctxs:
         inc_dirs += c.quote_includes.to_list() + c.includes.to_list() + c.system_includes.to_list()
