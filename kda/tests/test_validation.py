@@ -2144,3 +2144,16 @@ def test_compiled_call_takes_a_checkpoint_every_that_changes():
         call(*want, every)
         assert torch.equal(got[0], want[0])
         assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(got[1].nan_to_num(), want[1].nan_to_num())
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (planning.PlanOverrides(v_split=3), r"v_split must be None or one of \[1, 2, 4, 8\], got v_split=3"),
+    (planning.PlanOverrides(segment_chunks=-5), r"segment_chunks must be None or an int in \[0, 2\^31\)"),
+    (planning.PlanOverrides(decode=1), r"decode must be None, True or False"),
+    ((2, None, None, None, None, None), r"overrides must be a planning.PlanOverrides, got tuple"),
+], ids=["v_split_3", "segment_chunks_negative", "decode_int", "tuple"])
+def test_planning_forced_checks_each_override(overrides, pattern):
+    """planning.forced (public) refuses an override no plan has, before any plan is chosen under it."""
+    exc = TypeError if isinstance(overrides, tuple) and not isinstance(overrides, planning.PlanOverrides) else ValueError
+    with pytest.raises(exc, match=pattern), planning.forced(overrides):
+        pass

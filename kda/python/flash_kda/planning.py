@@ -54,12 +54,32 @@ _forced: contextvars.ContextVar[Optional[PlanOverrides]] = contextvars.ContextVa
 
 @contextlib.contextmanager
 def forced(overrides: PlanOverrides) -> Iterator[None]:
-    """Within the block (in this thread or context), plans are chosen with ``overrides`` instead of any outer ones."""
+    """Within the block (in this thread or context), plans are chosen with ``overrides`` instead of any outer ones.
+    Each field is checked on its own (``flash_kda.testing.force_plan`` also checks them against each other; a plan
+    that cannot run is refused by ``plan`` and ``fwd``)."""
+    _check_overrides(overrides)
     token = _forced.set(overrides if overrides != PlanOverrides() else None)
     try:
         yield
     finally:
         _forced.reset(token)
+
+
+def _check_overrides(overrides) -> None:
+    if not isinstance(overrides, PlanOverrides):
+        raise TypeError(f"overrides must be a planning.PlanOverrides, got {type(overrides).__name__}")
+    for name in ("v_split", "scan_v_split"):
+        value = getattr(overrides, name)
+        if value is not None and (type(value) is not int or value not in V_SPLITS):
+            raise ValueError(f"{name} must be None or one of {list(V_SPLITS)}, got {name}={value!r}")
+    for name, low in (("segment_chunks", 0), ("lead_chunks", -1)):
+        value = getattr(overrides, name)
+        if value is not None and (type(value) is not int or not low <= value < 2**31):
+            raise ValueError(f"{name} must be None or an int in [{low}, 2^31), got {name}={value!r}")
+    for name in ("single_pass", "decode"):
+        value = getattr(overrides, name)
+        if value is not None and type(value) is not bool:
+            raise ValueError(f"{name} must be None, True or False, got {name}={value!r}")
 
 
 def forced_plan() -> PlanOverrides:
