@@ -55,9 +55,11 @@ class CurrentDevice {
 // arguments they would replace; a tuple of four groups costs less). Their layouts, in order:
 //   FwdTensors  (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, initial_is_fp32,
 //                final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices,
-//                state_indices_is_int64, num_accepted_tokens, num_accepted_is_int64): device addresses as ints (0
-//                for None), ParamType codes (0 fp32, 1 bf16, 2 fp16) and bools;
-//   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale):
+//                state_indices_is_int64, num_accepted_tokens, num_accepted_is_int64, checkpoint_indices,
+//                checkpoint_indices_is_int64): device addresses as ints (0 for None), ParamType codes (0 fp32,
+//                1 bf16, 2 fp16) and bools;
+//   FwdShape    (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale,
+//                state_tokens, checkpoint_cols, checkpoint_chunks):
 //                ints, then floats, then the pools' slot count P (num_seqs without state_indices), q's and k's
 //                heads (GVA: heads is a multiple), the kda::GateKind code, β's scale (1 or 2), L of per-token
 //                state_indices [N, L] (0: one index per sequence, or none), and the checkpoints' M (columns of
@@ -387,14 +389,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("address"), py::arg("device"),
       "Waits for all work on `device`, then reads and resets its error word atomically; returns the value read "
       "(1 << 62: no malformed cu_seqlens or state_indices since the last take; below 1 << 40: the first bad "
-      "cu_seqlens index; else 1 << 40 plus the first sequence whose state index is past the pool, or whose "
-      "num_accepted_tokens is outside [1, L]).");
+      "cu_seqlens index; from 1 << 40: 1 << 40 plus the first sequence whose state index is past the pool, or "
+      "whose num_accepted_tokens is outside [1, L]; from 1 << 41: 1 << 41 plus the first sequence with a checkpoint "
+      "index past the pool).");
   m.def("fwd", &fwd, py::arg("tensors"), py::arg("shape"), py::arg("plan"), py::arg("launch"),
         "Enqueues the KDA forward on CUDA device `device`'s stream `stream` under `plan` (a Plan from choose_plan). "
         "tensors = (q, k, v, g, beta, A_log, A_log_type, dt_bias, dt_bias_type, out, initial_state, "
         "initial_is_fp32, final_state, final_is_fp32, cu_seqlens, cu_seqlens_is_int64, state_indices, "
-        "state_indices_is_int64, num_accepted_tokens, num_accepted_is_int64): device addresses (0 for None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; "
-        "shape = (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale, state_tokens); launch = (workspace, workspace_bytes, status, stream, device). Validation is the caller's "
+        "state_indices_is_int64, num_accepted_tokens, num_accepted_is_int64, checkpoint_indices, "
+        "checkpoint_indices_is_int64): device addresses (0 for None), dtype codes (0 fp32, 1 bf16, 2 fp16) and bools; "
+        "shape = (batch, seqlen, num_seqs, heads, scale, lower_bound, pool_slots, key_heads, gate, beta_scale, "
+        "state_tokens, checkpoint_cols, checkpoint_chunks); launch = (workspace, workspace_bytes, status, stream, "
+        "device). Validation is the caller's "
         "job: use flash_kda.fwd.");
   m.def(
       "choose_plan",

@@ -206,8 +206,9 @@ struct FwdParams {
   float lower_bound;
   void* workspace;
   size_t workspace_bytes;
-  // The device's error word (or null): the preparation kernel atomically lowers it to the first malformed
-  // index of cu_seqlens it finds (flash_kda.last_error reads and resets it). Untouched by well-formed calls.
+  // The device's error word (or null): the boundary-check kernel (kda_checks.cu) or the decode kernels
+  // (input_checks.cuh) atomically lower it to the first malformed index they find (flash_kda.last_error reads
+  // and resets it). Untouched by well-formed calls.
   unsigned long long* status;
   // The plan (kda::Plan in kda_plan.h, copied field by field; plan_of reads it back), resolved by the caller:
   int v_split;         // finishing-pass CTAs per (segment, head), each owning 128 / v_split state rows

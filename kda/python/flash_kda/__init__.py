@@ -3,8 +3,8 @@
 ``flash_kda.fwd`` is a drop-in for the call that inference stacks (fla's ``chunk_kda`` backend) already make;
 CPU tensors take a portable fp32 path. Submodules: ``reference`` (float64 ground truth), ``numerics`` (the
 kernel's numerics twin and the CPU path), ``compare`` (error metrics), ``ops`` (``torch.ops.flash_kda.fwd``,
-what torch.compile traces), ``testing`` (test-only plan forcing), ``fla_backend`` (opt-in: fla's recurrent
-KDA forward on ``fwd``; imports fla only when registered), ``_ext`` (the compiled helpers); ``api``,
+what torch.compile traces), ``testing`` (test-only plan forcing), ``fla_backend`` (opt-in: fla's ``chunk_kda``
+and recurrent KDA forward on ``fwd``; imports fla only when registered), ``_ext`` (the compiled helpers); ``api``,
 ``validation``, ``planning``, ``pools`` and ``launch`` hold the forward call's parts. ``Plan`` is the extension's type,
 loaded on first use, so ``import flash_kda`` works without the extension.
 """

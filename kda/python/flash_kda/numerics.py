@@ -3,14 +3,14 @@
 Both run the same chunk-16 algorithm as the kernel (docs/SPEC.md §2, kda/csrc/prepare_chunk.cuh and
 recurrence_step.cuh), step for step and in the same order. What differs is the arithmetic:
 
-* ``KernelArithmetic`` (the twin, CUDA only) re-enacts the kernel exactly: the same approximate instructions
+* ``kernel_arithmetic()`` (the twin, CUDA only) re-enacts the kernel exactly: the same approximate instructions
   (``ex2.approx.ftz``, ``tanh.approx`` through the extension's helpers), the same bf16 rounding of every
   tensor-core operand, and every product through the extension's ``mma.sync`` helper with k-steps chained in
   the kernel's order. Elementwise fp32 steps use PyTorch's IEEE-rounded ops, which is why the kernel spells
   each of its steps with explicitly rounded intrinsics (no contraction into FMAs); the decode kernel's FMAs
   (``__fmaf_rn``) come from the extension's helpers (``lane_leaves``, ``row_fma``), which ``fma_rn`` defines. On
   the GPU the kernel and the twin must agree bit for bit.
-* ``Fp32Arithmetic`` (the CPU path) keeps every operand in fp32 and uses exact ``exp2``/``sigmoid`` and
+* ``fp32_arithmetic()`` (the CPU path) keeps every operand in fp32 and uses exact ``exp2``/``sigmoid`` and
   fp32 matmuls: slower than the kernel, more accurate, and available on any device.
 
 Rows past the end of a sequence are zero (q = k = v = 0, γ = 0, β = 0), which makes them inert, exactly as
