@@ -535,3 +535,22 @@ def test_checkpoint_arguments_are_refused_by_name(changes, pattern):
                 checkpoint_every=16)
     with pytest.raises(ValueError, match=pattern):
         reference.reference_loop(*x, beta, D**-0.5, None, None, -5.0, **{**args, **changes})
+
+
+@pytest.mark.parametrize("name, shape, pattern", [
+    ("v", (1, 5, 1, 128), r"v must be \[1, 20, 1, 128\]"),
+    ("g", (1, 20, 1, 64), r"g must be \[1, 20, 1, 128\]"),
+    ("beta", (1, 20, 2), r"beta must be \[1, 20, 1\]"),
+    ("A_log", (3,), r"A_log must be \[1\]"),
+    ("dt_bias", (3, 128), r"dt_bias must be \[H, K\] or flat \[H·K\] = 128 elements"),
+], ids=["v", "g", "beta", "A_log", "dt_bias"])
+def test_mis_shaped_inputs_are_refused_by_name(name, shape, pattern):
+    """A wrong shape names its argument (it used to surface as a reshape error naming none)."""
+    gen = torch.Generator().manual_seed(0)
+    args = dict(q=torch.randn(1, 20, 1, 128, generator=gen), k=torch.randn(1, 20, 1, 128, generator=gen),
+                v=torch.randn(1, 20, 1, 128, generator=gen), g=torch.randn(1, 20, 1, 128, generator=gen),
+                beta=torch.randn(1, 20, 1, generator=gen), scale=128**-0.5, A_log=torch.zeros(1),
+                dt_bias=torch.zeros(1, 128), lower_bound=-5.0)
+    args[name] = torch.zeros(shape)
+    with pytest.raises(ValueError, match=pattern):
+        reference.reference_loop(**args)

@@ -128,6 +128,14 @@ def _problem(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state
     if k.shape != q.shape or not grouped:
         raise ValueError(f"k must have q's shape and v's heads must be a multiple of q's, got {q.shape=}, "
                          f"{k.shape=}, {v.shape=}")
+    expected = {"v": (B, T, H, V), "g": (B, T, H, K), "beta": (B, T, H), "A_log": (H,)}
+    for name, t in (("v", v), ("g", g), ("beta", beta), ("A_log", A_log)):
+        if t is not None and tuple(t.shape) != expected[name]:
+            raise ValueError(f"{name} must be {list(expected[name])} (B, T from q, the value heads H from v), got "
+                             f"{name}.shape={tuple(t.shape)}")
+    if dt_bias is not None and dt_bias.numel() != H * K:
+        raise ValueError(f"dt_bias must be [H, K] or flat [H·K] = {H * K} elements, got dt_bias.shape="
+                         f"{tuple(dt_bias.shape)}")
     if H != H_key:  # grouped value heads: value head h reads key head h // G
         q, k = q.repeat_interleave(H // H_key, dim=-2), k.repeat_interleave(H // H_key, dim=-2)
     if cu_seqlens is None:
