@@ -15,15 +15,11 @@ import torch
 from flash_kda.launch import last_error, reserve_workspace
 from flash_kda.launch import run as _run  # (a global, not launch.run: one attribute lookup less per call)
 from flash_kda.planning import plan, workspace_bytes
+from flash_kda.pools import CHECKPOINT_EVERY_CAP
 from flash_kda.validation import HEAD_DIM, LOWER_BOUND_RANGE, check_cu_seqlens
 
 __all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "HEAD_DIM",
            "LOWER_BOUND_RANGE"]
-
-
-# checkpoint_every past any sequence length (2^62 tokens, a multiple of 16) is taken as this: an int64 for the
-# operator's schema under torch.compile, and no product (m+1)·C that wraps.
-_CHECKPOINT_EVERY_CAP = 2**62
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
@@ -146,8 +142,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     if type(checkpoint_every) is not int and isinstance(checkpoint_every, numbers.Integral) and not isinstance(
             checkpoint_every, bool):
         checkpoint_every = int(checkpoint_every)  # a NumPy integer (as scale takes NumPy numbers)
-    if type(checkpoint_every) is int and checkpoint_every > _CHECKPOINT_EVERY_CAP and checkpoint_every % 16 == 0:
-        checkpoint_every = _CHECKPOINT_EVERY_CAP  # no sequence reaches either: the same call, and an int64 for the op
+    if type(checkpoint_every) is int and checkpoint_every > CHECKPOINT_EVERY_CAP and checkpoint_every % 16 == 0:
+        checkpoint_every = CHECKPOINT_EVERY_CAP  # no sequence reaches either: the same call, and an int64 for the op
     if torch.compiler.is_compiling():
         # Traced as one opaque operator (flash_kda/ops.py): the body below reads data pointers, which fake tensors
         # do not have, and would break the graph.

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flash_kda.validation import check_cu_seqlens
+
 __all__ = ["Report", "compare", "Mismatch", "bitwise_mismatch", "assert_bitwise_equal"]
 
 _F64 = torch.float64
@@ -163,9 +165,7 @@ def _windows(diff: torch.Tensor, ref: torch.Tensor, window: int, cu_seqlens: tor
     else:
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1 along dim 0, got shape {tuple(diff.shape)}")
-        # Boundaries that leave tokens out would report a worst window over part of the tensor only.
-        from flash_kda.validation import check_cu_seqlens  # noqa: PLC0415 -- compare imports without the extension
-        check_cu_seqlens(cu_seqlens, T)
+        check_cu_seqlens(cu_seqlens, T)  # (boundaries that left tokens out would hide them from the worst window)
         cu = [int(x) for x in cu_seqlens.tolist()]
         starts, lengths = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
     err2, ref2 = err2.flatten().cpu(), ref2.flatten().cpu()

@@ -169,10 +169,15 @@ def checkpoint_entries(checkpoint_indices: torch.Tensor, checkpoint_every: int, 
     return entries, indices[written]
 
 
+# A checkpoint_every past any sequence's length (2^62 tokens, a multiple of 16): a larger C is counted as this one,
+# which reaches no checkpoint either and keeps every count in int64.
+CHECKPOINT_EVERY_CAP = 2**62
+
+
 def checkpoints_reached(lengths, checkpoint_every: int, columns: int) -> torch.Tensor:
     """[N, M] bool on the CPU: whether checkpoint m of sequence n falls within it, (m+1)·C <= lengths[n], for
     C = ``checkpoint_every`` > 0 and M = ``columns``. Counted as m < lengths[n] // C, so that no product (m+1)·C is
     formed: with a C near 2^63 it would wrap in int64 and name a checkpoint the sequence never reaches."""
     length = torch.as_tensor(lengths, dtype=torch.int64).to("cpu").view(-1, 1)
-    reached = length // min(int(checkpoint_every), 2**62)  # (a C past every length reaches none)
+    reached = length // min(int(checkpoint_every), CHECKPOINT_EVERY_CAP)
     return torch.arange(columns, dtype=torch.int64).view(1, columns) < reached
