@@ -99,6 +99,10 @@ ACCEPTED = {
     "gva_4_softplus_varlen_bf16_state": dict(G=4, seqlens=(3, 0, 5), lower_bound=None, state=torch.bfloat16),
     "gva_pool": dict(G=2, B=5, T=1, pool=8, lower_bound=None, allow_neg_eigval=True),
     "gva_out_given": dict(G=2, out=torch.empty(1, 4, 4, D, dtype=torch.bfloat16)),
+    # A decode batch padded to a CUDA graph's size: empty sequences, padding tokens past cu_seqlens[-1].
+    "pool_padded_graph_batch": dict(seqlens=(1, 1, 1, 1), pool=4, cu_seqlens=torch.tensor([0, 1, 2, 2, 2])),
+    "pool_empty_sequence": dict(seqlens=(1, 0, 1), pool=4),
+    "padding_tokens_past_cu_seqlens": dict(seqlens=(3, 0, 5), cu_seqlens=torch.tensor([0, 3, 3, 6])),
     # Per-token slots [N, L] (speculative decoding), with and without num_accepted_tokens.
     "indices_2d": dict(B=2, T=1, pool=4, ssm_state_indices=torch.tensor([[0], [1]])),
     "spec_decoding_fixed": dict(B=2, T=3, pool=8, ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]),
@@ -163,6 +167,8 @@ REFUSED = {  # case: (changes to the supported call, words of the reason)
                                 num_accepted_tokens=torch.ones(2)), "num_accepted_tokens"),
     "indices_multi_token_fixed": (dict(B=2, T=3, pool=4), "one token per sequence"),
     "indices_multi_token_varlen": (dict(seqlens=(2, 1), pool=4), "one token per sequence"),
+    # (T = N: only the contents say that sequence 0 has two tokens, where fla would write slot [n + t])
+    "indices_multi_token_beside_empty": (dict(seqlens=(2, 0, 1), pool=4), "a sequence of 2 tokens"),
     "indices_float": (dict(B=2, T=1, pool=4, ssm_state_indices=torch.tensor([0.0, 1.0])), "ssm_state_indices"),
     "indices_list": (dict(B=2, T=1, pool=4, ssm_state_indices=[0, 1]), "ssm_state_indices must be a tensor"),
     "num_accepted_list": (dict(B=2, T=3, pool=8, ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]),
@@ -583,6 +589,35 @@ def test_mapping_padding_slot_starts_from_zeros_and_writes_nothing(any_device):
     alone = fla_args(B=3, T=1, state=None, inplace_final_state=False, output_final_state=False)
     alone_out, _ = fla_backend.fused_recurrent_kda_fwd(**alone)  # the same inputs (one seed), no state at all
     assert torch.equal(out[1], alone_out[1])
+
+
+def test_mapping_padding_tokens_get_zero_rows(any_device):
+    """Padding tokens past cu_seqlens[-1] (a decode batch padded to a CUDA graph's size, empty padding sequences
+    with no slot): the sequences' rows and slots are those of the call without the padding, the padding tokens' out
+    rows zeros (as fla's kernel leaves them)."""
+    x = fla_args(seqlens=(1, 1, 1, 1), pool=6, cu_seqlens=torch.tensor([0, 1, 2, 2, 2]))
+    x["ssm_state_indices"] = torch.tensor([4, 1, -1, -1], dtype=torch.int32)
+    plain = {**_copy(x), "cu_seqlens": torch.tensor([0, 1, 2])}
+    plain["ssm_state_indices"] = x["ssm_state_indices"][:2].clone()
+    for name in ("q", "k", "v", "g", "beta"):
+        plain[name] = x[name][:, :2].contiguous()
+    out, pool = fla_backend.fused_recurrent_kda_fwd(**x)
+    plain_out, plain_pool = fla_backend.fused_recurrent_kda_fwd(**plain)
+    assert torch.equal(out[:, :2], plain_out) and torch.equal(pool, plain_pool)
+    assert torch.equal(out[:, 2:], torch.zeros_like(out[:, 2:]))
+
+
+def test_verifier_refuses_inference_tensors_written_outside_inference_mode(any_device):
+    """fwd refuses to write an inference tensor outside inference mode (PyTorch would): fla's kernel takes it."""
+    with torch.inference_mode():
+        x = fla_args(B=2, T=1, pool=4)
+        given = torch.empty_like(x["v"])
+    with torch.no_grad():
+        assert "initial_state is an inference tensor" in fla_backend.unsupported(**x)
+        fresh = fla_args(B=2, T=1, pool=4)
+        assert "out is an inference tensor" in fla_backend.unsupported(**fresh, out=given)
+    with torch.inference_mode():
+        assert fla_backend.unsupported(**x) is None
 
 
 # --- registration --------------------------------------------------------------------------------------------

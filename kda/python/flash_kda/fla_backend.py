@@ -38,10 +38,14 @@ Both backends take a call only where ``flash_kda.fwd`` computes what fla's kerne
   (with ``max_num_seqs`` equal to the number of sequences) and ``cu_seqlens_cpu`` (a hint) are accepted; refused:
   ``cp_context`` (context parallel), ``return_intermediate_states``, arguments fla's signature does not name;
 - ``fused_recurrent_kda_fwd``: contiguous, 16-byte aligned tensors (it writes states in place);
-  ``ssm_state_indices`` None, 1-D with ``inplace_final_state=True`` and one token per sequence (fla reads a 1-D
-  index per token, which is a slot per sequence only then), or 2-D [N, L] with ``inplace_final_state=True`` and
+  ``ssm_state_indices`` None, 1-D with ``inplace_final_state=True`` and at most one token per sequence (fla reads a
+  1-D index per token, which is a slot per sequence only then; with a CUDA ``cu_seqlens``, which is not read, T <= N
+  and sequences of at most one token are assumed), or 2-D [N, L] with ``inplace_final_state=True`` and
   optionally ``num_accepted_tokens`` (speculative decoding: the state after token t into slot [n, t], the start from
-  slot [n, num_accepted_tokens[n] − 1]); refused: per-channel beta, arguments fla's signature does not name.
+  slot [n, num_accepted_tokens[n] − 1]); refused: per-channel beta, an inference tensor written outside inference
+  mode (``fwd`` refuses it; fla's kernel writes it), arguments fla's signature does not name;
+- padding tokens past ``cu_seqlens[-1]`` (a batch padded to a CUDA graph's size): zero ``out`` rows there in
+  ``fused_recurrent_kda_fwd``, as fla's kernel leaves them (``chunk_kda``: unspecified, as in fla).
 
 The calls map onto ``flash_kda.fwd`` as fla's functions define their results (``chunk_kda`` and
 ``fused_recurrent_kda_fwd`` below have the tables): out like v, bf16; final states fp32 [N, HV, V, K] when asked
@@ -375,8 +379,10 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
                 return f"ssm_state_indices [N, L] must have N = {N} rows and L >= 1, got {ssm_state_indices.shape=}"
         elif ssm_state_indices.dim() != 1 or ssm_state_indices.shape[0] != N:
             return f"ssm_state_indices must be [N] = [{N}] or [N, L], got {ssm_state_indices.shape=}"
-        elif B * T != N:
-            return f"1-D ssm_state_indices needs one token per sequence, got {B * T} tokens for N = {N} sequences"
+        else:
+            reason = _one_token_problem(T, N, cu_seqlens)
+            if reason is not None:
+                return reason
         if num_accepted_tokens is not None and tuple(num_accepted_tokens.shape) != (N,):
             return f"num_accepted_tokens must be [N] = [{N}], got {num_accepted_tokens.shape=}"
         if initial_state.dim() != 4 or initial_state.shape[0] < 1 or initial_state.shape[1:] != (HV, HEAD_DIM,
@@ -385,6 +391,13 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
                    f"{initial_state.shape=}"
     elif initial_state is not None and initial_state.shape != (N, HV, HEAD_DIM, HEAD_DIM):
         return f"initial_state must be [N, HV, V, K] = {[N, HV, HEAD_DIM, HEAD_DIM]}, got {initial_state.shape=}"
+
+    # --- PyTorch refuses in-place writes of an inference tensor outside inference mode (fla's kernel writes
+    # through raw pointers and serves the call: leave it to fla)
+    if not torch.is_inference_mode_enabled():
+        for name, t in (("initial_state", initial_state if inplace_final_state else None), ("out", out)):
+            if t is not None and t.is_inference():
+                return f"{name} is an inference tensor written outside inference mode (fwd refuses it)"
 
     # --- memory: what is written overlaps nothing else (the in-place state only its own initial state)
     if out is not None or inplace_final_state:
@@ -395,6 +408,26 @@ def unsupported(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, 
         overlap = first_overlap(same_device)
         if overlap is not None:
             return f"{overlap[0]} overlaps {overlap[1]} in memory"
+    return None
+
+
+def _one_token_problem(T: int, N: int, cu_seqlens: torch.Tensor | None) -> str | None:
+    """Why a call with 1-D ssm_state_indices may have a sequence of more than one token, or None. fla reads a 1-D
+    index per token (slot ssm_state_indices[n + t] for token t of sequence n), which is a slot per sequence only
+    when no sequence has more than one token. A CUDA cu_seqlens is not read (that would synchronise): T <= N is
+    then required and every sequence is taken to have at most one token, as decode batches have."""
+    if cu_seqlens is None:
+        if T > 1:
+            return f"1-D ssm_state_indices needs at most one token per sequence, got T = {T} tokens per sequence"
+        return None
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.to(torch.int64)
+        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        if longest > 1:
+            return f"1-D ssm_state_indices needs at most one token per sequence, got a sequence of {longest} tokens"
+        return None
+    if T > N:
+        return f"1-D ssm_state_indices needs at most one token per sequence, got {T} tokens for N = {N} sequences"
     return None
 
 
@@ -431,7 +464,9 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if out is None:
-        out = torch.empty_like(v)  # (fla zero-fills it; every element is written here)
+        # fla zero-fills it; fwd writes every row that belongs to a sequence, so only padding tokens past
+        # cu_seqlens[-1] (a batch padded to a CUDA graph's size) would be left: zeros there too, as fla.
+        out = torch.empty_like(v) if cu_seqlens is None else torch.zeros_like(v)
     if inplace_final_state:
         final_state = initial_state
     elif output_final_state:
