@@ -14,8 +14,8 @@
 
 namespace kda {
 
-// Check item i covers boundary i (0 <= i <= num_seqs: cu[0] must be 0, cu[N] the number of tokens, and cu must
-// not decrease or leave [0, total_tokens]), state index i (i < num_seqs: below pool_slots; negative indices are
+// Check item i covers boundary i (0 <= i <= num_seqs: cu[0] must be 0, and cu must not decrease or leave
+// [0, total_tokens]; cu[N] below total_tokens is allowed: the tokens past it are padding, in no sequence), state index i (i < num_seqs: below pool_slots; negative indices are
 // padding rows, allowed) and, with kCheckpoints, entry i of checkpoint_indices [N, M] in row order (one thread per
 // entry: a sequence's M entries in one thread measured 16 us for M = 512 on the H200, 2026-12-02). The decode
 // kernel's instantiations without checkpoints leave that part out.
@@ -31,7 +31,7 @@ __device__ __forceinline__ void check_call_inputs(const FwdParams& p, int64_t i)
   if (p.status == nullptr) return;
   if (p.cu_seqlens != nullptr && i <= p.num_seqs) {
     const int64_t v = load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i);
-    const bool bad = v < 0 || v > p.total_tokens || (i == 0 && v != 0) || (i == p.num_seqs && v != p.total_tokens) ||
+    const bool bad = v < 0 || v > p.total_tokens || (i == 0 && v != 0) ||
                      (i > 0 && load_cu(p.cu_seqlens, p.cu_seqlens_is_int64, i - 1) > v);
     if (bad) atomicMin(p.status, static_cast<unsigned long long>(i));
   }

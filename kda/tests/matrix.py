@@ -199,11 +199,13 @@ class Case:
     checkpoint_every: int = 0  # C > 0: checkpoint_indices [N, checkpoint_cols] beside state_indices [N]
     checkpoint_int32: bool = False  # with checkpoints: int32 checkpoint_indices (else int64)
     negative_entries: bool = False  # a fifth of the per-token or checkpoint entries that are written set to -1
+    # varlen: this many padding tokens after the last sequence (cu_seqlens[-1] < T, as CUDA-graph batches pad them)
+    tail_tokens: int = 0
     seed: int = -1  # -1: derived from the id
 
     def __post_init__(self) -> None:
         if self.seqlens is not None:
-            object.__setattr__(self, "T", sum(self.seqlens))
+            object.__setattr__(self, "T", sum(self.seqlens) + self.tail_tokens)
         if self.state_io == "no_state":
             object.__setattr__(self, "state_dtype", "none")
         if self.seed < 0:
@@ -226,6 +228,7 @@ class Case:
             self.has_final and self.checkpoint_every % 16 == 0
             and self.pool >= self.num_seqs - self.padding + self.num_seqs * self.checkpoint_cols)
         assert not self.negative_entries or self.state_tokens or self.checkpoint_every
+        assert self.tail_tokens >= 0 and (not self.tail_tokens or self.varlen)
 
     @property
     def varlen(self) -> bool:
@@ -253,6 +256,11 @@ class Case:
         return self.B * self.T
 
     @property
+    def covered(self) -> int:
+        """Tokens per row that belong to a sequence (T less the padding tokens past cu_seqlens[-1])."""
+        return self.T - self.tail_tokens
+
+    @property
     def checkpoint_cols(self) -> int:
         """M, checkpoints per sequence: one for every C tokens of the longest sequence, and one past it (never
         written)."""
@@ -274,7 +282,7 @@ class Case:
                 period = next(q for q in range(1, n + 1) if n % q == 0 and self.seqlens == self.seqlens[:q] * (n // q))
                 if period < n:
                     seqs = f"({','.join(map(str, self.seqlens[:period]))})x{n // period}"
-            shape = f"varlen_[{seqs}]_H{self.H}"
+            shape = f"varlen_[{seqs}]" + (f"+{self.tail_tokens}" if self.tail_tokens else "") + f"_H{self.H}"
         elif self.B > 1:
             shape = f"B{self.B}_T{self.T}_H{self.H}"
         else:
@@ -386,6 +394,9 @@ def _adversarial() -> list[Case]:
     for seqlens in ((0, 16, 0, 33, 0), (0,), (0, 0), (5, 0), (0, 1), (1,), (16, 0, 17)):
         for io, dt in _state_configs():
             cases.append(Case("adversarial", H=4, seqlens=seqlens, state_io=io, state_dtype=dt))
+    # Padding tokens past cu_seqlens[-1] (a CUDA-graph batch padded to its captured size): in no sequence.
+    for io, dt in _state_configs():
+        cases.append(Case("adversarial", H=4, seqlens=(16, 0, 17), tail_tokens=7, state_io=io, state_dtype=dt))
     # Longest first (more (sequence, head) pairs than SMs) with empty sequences and ties among the ranks.
     # (82 tokens over 6 sequences would pick the decode kernel: kept on the chunked plans.)
     for dt in STATE_DTYPES:
@@ -457,7 +468,8 @@ def _pool() -> list[Case]:
     """Pooled states on every plan kind: shapes x (P, padding) x state configurations x forced plans, cycled so
     that each plan meets every kind of shape and pool without the product's size."""
     shapes = [dict(B=3, T=97, H=4), dict(B=2, T=37, H=2), dict(B=8, T=20, H=2), dict(seqlens=(17, 0, 65, 5), H=4),
-              dict(seqlens=(100, 16, 1, 33, 0), H=2)]
+              dict(seqlens=(100, 16, 1, 33, 0), H=2),
+              dict(seqlens=(1, 1, 0, 1, 0), tail_tokens=2, H=4)]  # a decode batch padded to a graph's size
     pools = [(3, 1), (0, 0), (0, -1)]  # (extra slots, padding): P = N - padding + extra; -1: all padded but one
     states = [("in+out", "bf16", False, ""), ("in+out", "fp32", True, ""), ("in_only", "fp32", False, ""),
               ("out_only", "bf16", False, ""), ("in+out", "bf16", False, "fp32"), ("in+out", "fp32", False, "")]
@@ -507,6 +519,8 @@ def _decode() -> list[Case]:
         cases.append(Case("decode", H=4, seqlens=(1, 2, 3, 5, 8, 15), cu_seqlens_int32=True, state_dtype=dt))
         # Many more (sequence, head) items than persistent CTAs: each CTA walks dozens of items of 0 to 7 tokens.
         cases.append(Case("decode", H=16, seqlens=DECODE_MANY_SEQLENS, inplace_state=True, state_dtype=dt))
+        # A decode batch padded to a CUDA graph's size: empty sequences and padding tokens past cu_seqlens[-1].
+        cases.append(Case("decode", H=4, seqlens=(1, 0, 1, 1, 0), tail_tokens=2, inplace_state=True, state_dtype=dt))
     for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
         for params in ("fp32", "bf16", "fp16"):
             cases.append(Case("decode", H=4, T=5, state_dtype=init, final_dtype=final, param_dtype=params))

@@ -673,8 +673,8 @@ def test_device_helpers_refuse_a_bool_or_negative_device_by_name(call):
 BAD_CU = [
     ([1, 3, 5], r"cu_seqlens\[0\] must be 0, got 1"),
     ([0, 4, 2, 5], r"cu_seqlens must be non-decreasing, got cu_seqlens\[1\]=4 > cu_seqlens\[2\]=2"),
-    ([0, 2, 4], r"cu_seqlens\[-1\] must equal the number of tokens 5, got cu_seqlens\[-1\]=4"),
-    ([0, 2, 6], r"cu_seqlens\[-1\] must equal the number of tokens 5, got cu_seqlens\[-1\]=6"),
+    ([0, 2, 6], r"cu_seqlens\[-1\] must be at most the number of tokens 5 \(tokens past it are padding\), got "
+                r"cu_seqlens\[-1\]=6"),
     ([0, -1, 5], r"non-decreasing, got cu_seqlens\[0\]=0 > cu_seqlens\[1\]=-1"),
 ]
 
@@ -697,7 +697,7 @@ def test_cpu_fwd_validates_cu_seqlens_contents(cu, pattern):
         flash_kda.fwd(**x)
 
 
-@pytest.mark.parametrize("cu", [[0, 5], [0, 0, 5], [0, 5, 5], [0, 2, 2, 5]])
+@pytest.mark.parametrize("cu", [[0, 5], [0, 0, 5], [0, 5, 5], [0, 2, 2, 5], [0, 2, 4], [0, 0], [0, 1, 1, 1]])
 def test_check_cu_seqlens_accepts(cu):
     flash_kda.check_cu_seqlens(torch.tensor(cu), 5)
     flash_kda.check_cu_seqlens(torch.tensor(cu, dtype=torch.int32), 5)
@@ -743,9 +743,57 @@ def test_host_cu_seqlens_equals_device_cu_seqlens():
         flash_kda.fwd(**on_host, workspace=small)
 
 
+def _padded(x: dict, tail: int) -> dict:
+    """x with ``tail`` padding tokens appended after its last sequence (cu_seqlens unchanged), outputs NaN."""
+    y = dict(x)
+    for name in ("q", "k", "v", "g", "beta"):
+        y[name] = torch.cat([x[name], torch.randn_like(x[name][:, :tail], dtype=torch.float32).to(x[name].dtype)], 1)
+    y["out"] = torch.full_like(y["v"], float("nan"))
+    y["final_state"] = torch.full_like(x["final_state"], float("nan"))
+    return y
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["dense", "pool"])
+def test_padding_tokens_past_the_last_boundary(pool):
+    """Tokens past cu_seqlens[-1] (a CUDA-graph batch padded to its captured size, as serving engines pad them)
+    belong to no sequence: the call equals the one without them, bit for bit, and leaves their out rows."""
+    x = varlen_inputs((2, 0, 3))
+    if pool:  # the engines' form: empty padding sequences with no slot, and padding tokens
+        x = varlen_inputs((2, 0, 3, 0))
+        x["state_indices"] = torch.tensor([2, 0, 1, -1])
+        x["final_state"] = torch.full_like(x["final_state"], float("nan"))  # (slot 3 is not written)
+    padded = _padded(x, 4)
+    flash_kda.fwd(**x)
+    flash_kda.fwd(**padded)
+    assert torch.equal(padded["out"][:, :5], x["out"])
+    assert torch.isnan(padded["out"][:, 5:].float()).all(), "the padding tokens' out rows were written"
+    # (bits: the pool's unnamed slot 3 keeps its NaN in both)
+    assert torch.equal(padded["final_state"].view(torch.int32), x["final_state"].view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_padding_tokens_past_the_last_boundary_cuda(where):
+    """As above on the kernels, with cu_seqlens on the device (the kernels skip the padding; no error is
+    recorded) and on the host (fwd runs the covered prefix), under the decode and the chunked plans."""
+    for seqlens, tail in (((2, 0, 3, 0), 4), ((40, 0, 17), 30)):
+        x = _cuda(varlen_inputs(seqlens))
+        if where == "host":
+            x["cu_seqlens"] = x["cu_seqlens"].cpu()
+        padded = _cuda(_padded(x, tail))
+        end = sum(seqlens)
+        flash_kda.fwd(**x)
+        flash_kda.fwd(**padded)
+        torch.cuda.synchronize()
+        assert flash_kda.last_error() is None
+        assert torch.equal(padded["out"][:, :end], x["out"]), seqlens
+        assert torch.isnan(padded["out"][:, end:].float()).all(), "the padding tokens' out rows were written"
+        assert torch.equal(padded["final_state"], x["final_state"]), seqlens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cu, pattern", [([0, 30, 20, 65], r"cu_seqlens\[1\]=30 > cu_seqlens\[2\]=20"),
-                                         ([0, 20, 20, 64], r"cu_seqlens\[-1\] must equal the number of tokens 65")])
+                                         ([0, 20, 20, 66], r"cu_seqlens\[-1\] must be at most the number of tokens 65")])
 def test_malformed_host_cu_seqlens_is_refused_by_index(cu, pattern):
     x = _cuda(varlen_inputs((20, 0, 45)))
     x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64)

@@ -51,7 +51,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     [N, L]: S after each token t < min(L, length) goes to pool slot ``state_indices[n, t]``, and S starts from
     slot ``state_indices[n, num_accepted_tokens[n] − 1]``; below). Without ``cu_seqlens`` each of the
     B rows is one sequence (N = B); with it, B must be 1 and sequence n is tokens cu[n] .. cu[n+1]-1 (it may be
-    empty, and T = 0 is allowed). States never cross sequence boundaries.
+    empty, and T = 0 is allowed); tokens from cu[N] on are padding (cu[N] < T: a batch padded to a CUDA graph's
+    size), in no sequence, and their out rows are not written. States never cross sequence boundaries.
 
     | arg | dtype | shape | meaning |
     |---|---|---|---|

@@ -165,8 +165,11 @@ def _windows(diff: torch.Tensor, ref: torch.Tensor, window: int, cu_seqlens: tor
     else:
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1 along dim 0, got shape {tuple(diff.shape)}")
-        check_cu_seqlens(cu_seqlens, T)  # (boundaries that left tokens out would hide them from the worst window)
+        check_cu_seqlens(cu_seqlens, T)
         cu = [int(x) for x in cu_seqlens.tolist()]
+        if cu[-1] != T:  # (padding tokens past the last sequence would be hidden from the worst window)
+            raise ValueError(f"cu_seqlens[-1] must equal the number of tokens {T} (compare the covered tokens "
+                             f"out[:, :cu_seqlens[-1]]), got cu_seqlens[-1]={cu[-1]}")
         starts, lengths = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
     err2, ref2 = err2.flatten().cpu(), ref2.flatten().cpu()
     worst, where = 0.0, None

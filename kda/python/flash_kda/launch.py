@@ -50,6 +50,14 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
         check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
+        if cu_seqlens.device.type == "cpu" and T:
+            end = int(cu_seqlens[-1])
+            if end < T:
+                # Padding tokens past the last sequence (a CUDA-graph batch): the call without them (B = 1, so the
+                # prefixes are contiguous views); their out rows are not written. (The kernels skip them too when
+                # cu_seqlens is on the device.)
+                q, k, v, g, beta, out = (t[:, :end] for t in (q, k, v, g, beta, out))
+                T = end
     # (the usual call: no pools, no host time beyond these names)
     P, indices_on_host, state_tokens, accepted_on_host = N, False, 0, False
     if state_indices is not None:
@@ -227,6 +235,14 @@ def run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_s
     ``cpu_forward`` returns, its checkpoint slots and named slots copied back, ``pools.checkpoint_entries``).
 
     Refuses (MemoryError, before any work) a call whose working memory exceeds what the host has available."""
+    with torch.autocast("cpu", enabled=False):  # (a model under CPU autocast: the path computes in fp32 as given)
+        _run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+                 state_indices, gate, allow_neg_eigval, num_accepted_tokens, checkpoint_indices, checkpoint_every)
+
+
+def _run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+             state_indices, gate, allow_neg_eigval, num_accepted_tokens, checkpoint_indices, checkpoint_every):
+    """run_cpu's body, outside autocast."""
     from flash_kda import numerics  # noqa: PLC0415 -- lazy: the CUDA path does not need it
 
     B, T, H, _ = v.shape  # H: the value heads (the path expands grouped key heads to them)

@@ -556,7 +556,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
     | cu_seqlens | int64 / int32 | [N + 1] | sequence boundaries |
     | total_tokens | int | — | T, the packed length (q.shape[1] with B = 1) |
 
-    Raises ValueError naming the problem unless N >= 1, cu[0] == 0, cu is non-decreasing and cu[N] == T.
+    Raises ValueError naming the problem unless N >= 1, cu[0] == 0, cu is non-decreasing and cu[N] <= T (tokens
+    from cu[N] on are padding, as CUDA-graph batches pad them: they belong to no sequence).
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
         got = f"dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor) else f"{type(cu_seqlens)=}"
@@ -579,9 +580,10 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
             f"cu_seqlens must be non-decreasing, got cu_seqlens[{n}]={cu[n].item()} > "
             f"cu_seqlens[{n + 1}]={cu[n + 1].item()}"
         )
-    if cu[-1] != total_tokens:
+    if cu[-1] > total_tokens:
         raise ValueError(
-            f"cu_seqlens[-1] must equal the number of tokens {total_tokens}, got cu_seqlens[-1]={cu[-1].item()}"
+            f"cu_seqlens[-1] must be at most the number of tokens {total_tokens} (tokens past it are padding), got "
+            f"cu_seqlens[-1]={cu[-1].item()}"
         )
 
 
