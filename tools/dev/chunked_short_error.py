@@ -1,0 +1,59 @@
+"""Estimates, without a GPU, the error against float64 of the chunked plans' arithmetic on short fixed-length
+sequences (the stream pass's calls: T = 16), per decode-slice shape and state configuration, over several seeds.
+
+The twin's exact arithmetic needs CUDA (its exp2, sigmoid and products come from the extension); this stands in
+for it on the CPU with the same operand rounding (tensor-core operands rounded to bf16, fp32 accumulation) and
+PyTorch's exp2 and sigmoid, so its figures are estimates of the kernel's, not its bits. A program, not a test:
+
+    PYTHONPATH=<package>:kda/tests python3 tools/dev/chunked_short_error.py --seeds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+import matrix
+from flash_kda import compare, numerics, reference
+
+
+def bf16_operand_arithmetic() -> numerics.Arithmetic:
+    """The chunked kernels' rounding of tensor-core operands, with PyTorch's fp32 functions elsewhere."""
+    def matmul(a, b, c=None):
+        product = torch.matmul(a.float(), b.float())
+        return product if c is None else c + product
+
+    return dataclasses.replace(numerics.fp32_arithmetic(), operand=lambda x: x.to(torch.bfloat16), matmul=matmul,
+                               hi_lo_update=lambda lower_bound: lower_bound is not None and lower_bound > -4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=12)
+    parser.add_argument("--T", type=int, default=16)
+    args = parser.parse_args()
+    ar = bf16_operand_arithmetic()
+    print("| shape | state in/out | final dtype | out max | out mean | state max | state mean |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for H, B in ((1, 1), (4, 1), (32, 1), (4, 3)):
+        for io in ("in+out", "out_only"):
+            for dt in ("bf16", "fp32"):
+                outs, states = [], []
+                for seed in range(args.seeds):
+                    case = matrix.Case("decode", H=H, B=B, T=args.T, state_io=io, state_dtype=dt, seed=1000 + seed)
+                    x = matrix.make_inputs(case, "cpu")
+                    twin = matrix.twin_args(x)
+                    out, state = numerics.chunked_forward(
+                        x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["A_log"], x["dt_bias"],
+                        x["lower_bound"], twin.get("initial_state"), None, ar, 0)
+                    ref_out, ref_state = reference.reference_chunked(**twin)
+                    outs.append(compare.compare(out, ref_out).rel_l2)
+                    states.append(compare.compare(state.to(x["final_state"].dtype), ref_state).rel_l2)
+                print(f"| B{B} T{args.T} H{H} | {io} | {dt} | {max(outs):.2e} | {sum(outs) / len(outs):.2e} | "
+                      f"{max(states):.2e} | {sum(states) / len(states):.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
