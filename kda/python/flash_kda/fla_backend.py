@@ -82,6 +82,7 @@ from flash_kda.validation import (
     device_capability,
     first_overlap,
     first_requiring_grad,
+    sequence_lengths,
 )
 
 __all__ = ["register", "unsupported", "chunk_unsupported", "fused_recurrent_kda_fwd", "chunk_kda", "BACKEND_TYPE",
@@ -421,8 +422,7 @@ def _one_token_problem(T: int, N: int, cu_seqlens: torch.Tensor | None) -> str |
             return f"1-D ssm_state_indices needs at most one token per sequence, got T = {T} tokens per sequence"
         return None
     if cu_seqlens.device.type == "cpu":
-        cu = cu_seqlens.to(torch.int64)
-        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        longest = int(sequence_lengths(cu_seqlens, 1, T).max())  # (N >= 1: _shape_problem checked it)
         if longest > 1:
             return f"1-D ssm_state_indices needs at most one token per sequence, got a sequence of {longest} tokens"
         return None
