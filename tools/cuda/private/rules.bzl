@@ -59,7 +59,9 @@ def _cuda_objects_impl(ctx):
         obj = ctx.actions.declare_file("_cuda_objs/%s/%s.pic.o" % (ctx.label.name, _basename_no_ext(src)))
         args = ctx.actions.args()
         args.add_all(base_flags)
-        args.add_all(["-c", src.path, "-o", obj.path])
+        # Intermediate files beside the object, not in /tmp: nvcc names them by its process id, which is the same
+        # in every sandbox's PID namespace, so two builds on one machine could delete each other's files.
+        args.add_all(["--objdir-as-tempdir", "-c", src.path, "-o", obj.path])
         ctx.actions.run(
             executable = nvcc,
             arguments = [args],
