@@ -42,7 +42,7 @@ struct Plan {
   int lead_chunks = -1;        // the overlap (kda_params.h): chunks prepared before the recurrence starts; -1: none
   int tail_ctas = 0;           // the overlap: tail-kernel CTAs, one per SM the recurrence leaves free
   bool longest_first = false;  // varlen: the finishing pass runs the longest sequences first (kda_params.h)
-  bool decode = false;         // the decode kernel: token by token, state in registers (decode.cu); nothing else
+  bool decode = false;         // the decode plan: state in registers, token by token or 16 tokens a step; nothing else
 
   bool operator==(const Plan& o) const {
     return v_split == o.v_split && scan_v_split == o.scan_v_split && segment_chunks == o.segment_chunks &&

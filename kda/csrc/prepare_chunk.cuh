@@ -237,7 +237,7 @@ __device__ __forceinline__ void anchored_late_rows(const AnchoredRows& a, int ch
 }
 
 // The softplus gate's A and Mqk from the product of Lk / Lq with Rᵀ (accumulators as in phase 3) and the block
-// sums (anchored_rows): β·A into a_rows (row stride kAStride), Mqk into rec_mqk. m_stage: fp32 [16][16] scratch.
+// sums (AnchoredRows): β·A into a_rows (row stride kAStride), Mqk into rec_mqk. m_stage: fp32 [16][16] scratch.
 __device__ __forceinline__ void anchored_epilogue(const float (&a_acc)[2][4], const float (&m_acc)[2][4],
                                                   const float (&diag_sums)[kChunk / kAnchorBlock], float my_beta,
                                                   float* a_rows,

@@ -837,3 +837,36 @@ def test_cpu_autocast_leaves_the_fp32_path_alone():
         flash_kda.fwd(**{n: y[n] for n in FWD_NAMES})
     compare.assert_bitwise_equal(y["out"], x["out"], "out under autocast")
     compare.assert_bitwise_equal(y["final_state"], x["final_state"], "final_state under autocast")
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_a_non_finite_input_stays_in_its_sequence_and_head(name: str) -> None:
+    """Inputs are not checked for NaN or ±Inf (README, "Guarantees"): one at token 20 of the first of two sequences
+    (40 tokens each) reaches at most that sequence's rows from the start of its 16-token chunk (token 16; its own
+    row alone for q) and that sequence's final state; the other sequence, the other head and the earlier rows are
+    the call's without it, bit for bit."""
+    T, H, bad = 80, 2, 20
+    gen = torch.Generator().manual_seed(5)
+    bf = torch.bfloat16
+    x = {n: torch.randn(1, T, H, D, generator=gen).to(bf) for n in ("q", "k", "v", "g")}
+    x["beta"] = torch.randn(1, T, H, generator=gen).to(bf)
+    cu = torch.tensor([0, 40, 80])
+    init = torch.randn(2, H, D, D, generator=gen) * 0.1
+
+    def run(inputs):
+        out, fin = torch.empty(1, T, H, D, dtype=bf), torch.empty(2, H, D, D)
+        flash_kda.fwd(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], D**-0.5, out,
+                      torch.zeros(H), torch.zeros(H, D), -1.0, init, fin, cu)
+        return out, fin
+
+    clean_out, clean_fin = run(x)
+    poisoned = {**x, name: x[name].clone()}
+    poisoned[name][0, bad, 0] = float("nan")
+    out, fin = run(poisoned)
+    first = bad if name == "q" else bad // 16 * 16
+    compare.assert_bitwise_equal(out[:, :first], clean_out[:, :first], "rows before the poisoned chunk")
+    compare.assert_bitwise_equal(out[:, 40:], clean_out[:, 40:], "the other sequence")
+    compare.assert_bitwise_equal(out[..., 1, :], clean_out[..., 1, :], "the other head")
+    compare.assert_bitwise_equal(fin[1], clean_fin[1], "the other sequence's final state")
+    compare.assert_bitwise_equal(fin[0, 1], clean_fin[0, 1], "the other head's final state")
+    assert not torch.isfinite(out[0, bad, 0].float()).all()

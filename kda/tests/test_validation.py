@@ -668,6 +668,12 @@ def test_device_helpers_refuse_a_bool_or_negative_device_by_name(call):
         fn(True)
     with pytest.raises(ValueError, match=rf"{call} needs a CUDA device index >= 0"):
         fn(-1)
+    with pytest.raises(TypeError, match=rf"{call} needs a CUDA device .*got device=1.5"):
+        fn(1.5)
+    with pytest.raises(ValueError, match=rf"{call} needs a CUDA device, got device='garbage'"):
+        fn("garbage")
+    with pytest.raises(ValueError, match=rf"{call} needs a CUDA device, got device=device\(type='cpu'\)"):
+        fn("cpu")
 
 
 BAD_CU = [
@@ -684,6 +690,11 @@ BAD_CU = [
 def test_check_cu_seqlens(cu, pattern, dtype):
     with pytest.raises(ValueError, match=pattern):
         flash_kda.check_cu_seqlens(torch.tensor(cu, dtype=dtype), 5)
+
+
+def test_check_cu_seqlens_refuses_a_tensor_without_contents():
+    with pytest.raises(ValueError, match="cu_seqlens must be on the CPU or a CUDA device, got .*meta"):
+        flash_kda.check_cu_seqlens(torch.tensor([0, 5, 20], device="meta"), 20)
 
 
 @pytest.mark.parametrize(("cu", "pattern"), BAD_CU)
@@ -789,6 +800,32 @@ def test_padding_tokens_past_the_last_boundary_cuda(where):
         assert torch.equal(padded["out"][:, :end], x["out"]), seqlens
         assert torch.isnan(padded["out"][:, end:].float()).all(), "the padding tokens' out rows were written"
         assert torch.equal(padded["final_state"], x["final_state"]), seqlens
+
+
+@pytest.mark.gpu
+def test_padded_call_plans_all_its_tokens_wherever_cu_seqlens_is():
+    """A padded call (cu_seqlens[-1] < T) runs the plan of all T tokens, flash_kda.plan's, with cu_seqlens on the
+    host as on the device (which the host cannot read), so the two give the same bits: 4 sequences of 16 tokens
+    padded to T = 100 at H32 plan the single pass, the 64 covered tokens alone the decode plan."""
+    heads, T, end = 32, 100, 64
+    gen = torch.Generator().manual_seed(11)
+    x = {n: torch.randn(1, T, heads, D, generator=gen).to(torch.bfloat16).cuda() for n in ("q", "k", "v", "g")}
+    x["beta"] = torch.randn(1, T, heads, generator=gen).to(torch.bfloat16).cuda()
+    A_log, dt_bias = torch.zeros(heads, device="cuda"), torch.zeros(heads, D, device="cuda")
+    cu = torch.tensor([0, 16, 32, 48, end])
+    assert flash_kda.plan(x["q"], cu) == flash_kda.plan(x["q"], cu.cuda())
+    assert flash_kda.plan(x["q"], cu).single_pass and flash_kda.plan(x["q"][:, :end], cu).decode
+    results = []
+    for where in (cu, cu.cuda()):
+        out = torch.full_like(x["v"], float("nan"))
+        fin = torch.full((4, heads, D, D), float("nan"), device="cuda")
+        flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, out, A_log, dt_bias, -5.0, None, fin, where)
+        results.append((out, fin))
+    torch.cuda.synchronize()
+    assert flash_kda.last_error() is None
+    (host_out, host_fin), (device_out, device_fin) = results
+    assert torch.equal(host_out[:, :end], device_out[:, :end]) and torch.equal(host_fin, device_fin)
+    assert torch.isnan(host_out[:, end:].float()).all() and torch.isnan(device_out[:, end:].float()).all()
 
 
 @pytest.mark.gpu

@@ -68,8 +68,14 @@ def cuda_device(device, caller: str) -> torch.device | None:
         if device < 0:
             raise ValueError(f"{caller} needs a CUDA device index >= 0, got {device=}")
         device = torch.device("cuda", int(device))
+    elif isinstance(device, (str, torch.device)):
+        try:
+            device = torch.device(device)
+        except RuntimeError:  # (torch's message names neither the call nor the argument)
+            raise ValueError(f"{caller} needs a CUDA device, got device={device!r}") from None
     else:
-        device = torch.device(device)
+        raise TypeError(f"{caller} needs a CUDA device (None, an int index, a str or a torch.device), got "
+                        f"device={device!r} of {type(device)=}")
     if device.type != "cuda":
         raise ValueError(f"{caller} needs a CUDA device, got {device=}")
     return device

@@ -48,6 +48,7 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                                      num_accepted_tokens, checkpoint_indices, checkpoint_every, concrete=True)
     K = HEAD_DIM
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
+    planned_T = T  # (the plan of the whole call, padding tokens included, as for a CUDA cu_seqlens: the same bits)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
         check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
         if cu_seqlens.device.type == "cpu" and T:
@@ -107,7 +108,7 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     index = q.device.index  # a CUDA tensor's device always has an index
     stream = _ext.current_stream(index)
     gate_code = GATE_CODES[gate]
-    plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
+    plan, kernel_bytes = plan_for(B, planned_T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
     if cu_on_host or indices_on_host or accepted_on_host:
         cu_offset, indices_offset, accepted_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host,
                                                                          indices_on_host, accepted_on_host,
@@ -364,7 +365,7 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
     CUDA call on ``device`` met since the last query, or None.
 
     ``fwd`` never reads a CUDA ``cu_seqlens`` or ``state_indices`` on the host (that would synchronise); a small
-    kernel checks the boundaries on the device (cu[0] == 0, non-decreasing, cu[N] == number of tokens) and the
+    kernel checks the boundaries on the device (cu[0] == 0, non-decreasing, cu[N] <= number of tokens) and the
     state indices (each below the pools' slot count P) and the accepted-token counts (each in [1, L]) and records
     the first bad one in a per-device word (a ``cu_seqlens`` index before any sequence). This query covers every
     call enqueued on ``device`` before it, on any stream and from any thread (it waits for all of the device's
@@ -415,7 +416,8 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
         )
     return (
         f"flash_kda: a call on cuda:{index} got a malformed cu_seqlens: cu_seqlens[{first_bad}] is "
-        "its first bad boundary (cu_seqlens must start at 0, never decrease and end at the number of tokens); "
+        "its first bad boundary (cu_seqlens must start at 0, never decrease and end at most at the number of "
+        "tokens); "
         "the outputs of that call are unspecified"
     )
 

@@ -859,8 +859,9 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
                  checkpoint_indices=None, checkpoint_every: int = 0):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
-    ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode kernel
-    (``decode_twin_forward``) instead of the chunked kernels. None takes the choice
+    ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode plan's kernels
+    (``decode_twin_forward``, or ``decode_chunk_twin_forward`` where sequences average 16 tokens or more) instead
+    of the chunked kernels. None takes the choice
     ``flash_kda.fwd`` would make for these inputs now (its plan, including a plan forced by
     ``flash_kda.testing.force_plan``). With ``state_indices`` [N], ``initial_state`` is a pool [P, H, V, K] and
     the second result is the fp32 pool ``fwd`` leaves: ``final_state`` (the pool before the call; default

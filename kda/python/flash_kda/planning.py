@@ -44,7 +44,7 @@ class PlanOverrides(NamedTuple):
     segment_chunks: Optional[int] = None  # 0: no time split; L > 0: segments of L chunks
     single_pass: Optional[bool] = None  # True: the single pass; False: two stages
     lead_chunks: Optional[int] = None  # L >= 0: the overlap with a lead of L chunks; -1: no overlap
-    decode: Optional[bool] = None  # True: the decode kernel (token by token); False: a chunked plan
+    decode: Optional[bool] = None  # True: the decode plan (token by token or 16-token steps); False: a chunked plan
 
 
 # The choices forced in this thread / context (None: none); part of every plan-cache key.

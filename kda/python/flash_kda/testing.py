@@ -13,9 +13,10 @@ The single pass (one kernel that prepares and runs each (sequence, head)) comput
 stages; ``force_plan(single_pass=True)`` runs it on any shape, ``single_pass=False`` keeps it out. So does the
 overlap (the preparation's tail on the SMs the recurrence leaves free, while it runs):
 ``force_plan(lead_chunks=L)`` runs it on any fixed-length batch with a lead of L chunks, ``lead_chunks=-1`` keeps
-it out. The decode kernel (short sequences token by token, the state in registers; its own twin,
-``numerics.decode_twin_forward``) runs on any shape under ``force_plan(decode=True)``, and ``decode=False`` keeps it out; forcing
-anything else keeps it out too.
+it out. The decode plan (short sequences with the state in registers: token by token, or in 16-token chunk steps
+where sequences average 16 tokens or more; its twins ``numerics.decode_twin_forward`` and
+``numerics.decode_chunk_twin_forward``) runs on any shape under ``force_plan(decode=True)``, and ``decode=False``
+keeps it out; forcing anything else keeps it out too.
 
 Not meant for production code. The forced plan holds in the thread (or asyncio context) that entered the block,
 through a context variable of ``flash_kda.planning``; it is part of every plan-cache key.
@@ -46,7 +47,7 @@ def force_plan(v_split: int = 0, segment_chunks: Optional[int] = None, scan_v_sp
     | segment_chunks | int / None | time split into segments of this many 16-token chunks; 0: no split; None: automatic |
     | scan_v_split | int | 1, 2, 4 or 8 CTAs per map in the time split's scan; 0: v_split if forced, else automatic |
     | single_pass | bool / None | True: the single pass (no time split, v_split 1); False: two stages; None: automatic (two stages whenever a V split is forced) |
-    | lead_chunks | int / None | L >= 0: the overlap, lead of L chunks (fixed-length batches; v_split 1, no time split); -1: none; None: automatic (none when anything else is forced) |
+    | lead_chunks | int / None | L >= 0: the overlap, lead of L chunks (v_split 1, no time split), on fixed-length batches only: a varlen call gets the plan it would get with -1; -1: none; None: automatic (none when anything else is forced) |
     | decode | bool / None | True: the decode kernel (nothing else may be forced); False: a chunked plan; None: automatic (sequences of at most 16 tokens, mean for varlen; a chunked plan when anything else is forced) |
     """
     # NumPy integers as the ints they hold (as fwd takes them); sizes past an int32 cannot be a plan's

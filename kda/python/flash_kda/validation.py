@@ -564,6 +564,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         raise TypeError(f"cu_seqlens must be an int64 or int32 tensor, got {got}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got {cu_seqlens.shape=}")
+    if cu_seqlens.device.type not in ("cpu", "cuda"):  # (a meta tensor has no contents to check)
+        raise ValueError(f"cu_seqlens must be on the CPU or a CUDA device, got {cu_seqlens.device=}")
     if not isinstance(total_tokens, numbers.Integral) or isinstance(total_tokens, bool):
         raise TypeError(f"total_tokens must be an int (the packed length), got total_tokens={_shown(total_tokens)} "
                         f"of {type(total_tokens)=}")
