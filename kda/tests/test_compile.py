@@ -120,6 +120,34 @@ def test_compile_fullgraph_takes_numpy_float64_scalars_and_a_huge_checkpoint_eve
     assert torch.isnan(compiled[1][1]).all(), "a checkpoint past every sequence's end was written"
 
 
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
+def test_compile_refuses_a_tensor_requiring_grad_under_grad_mode_cpu(fullgraph):
+    """The operator runs with grad mode off (its fake implementation too), so fwd refuses a tensor that requires
+    grad before it, as in eager, rather than leaving a parameter without a gradient: the eager RuntimeError where the
+    graph may break; under fullgraph, Dynamo's own error (with torch 2.13, Unsupported, whose text carries the
+    message)."""
+    torch._dynamo.reset()
+    x = make_inputs("cpu", state=None)
+    A_log = torch.nn.Parameter(torch.zeros(2))
+
+    def call(q, k, v, g, beta, A_log):
+        out = torch.empty_like(v)
+        flash_kda.fwd(q, k, v, g, beta, D**-0.5, out, A_log, None, -5.0)
+        return out
+
+    compiled = torch.compile(call, backend="eager", fullgraph=fullgraph)
+    refusal = r"flash_kda.fwd has no backward, got A_log.requires_grad=True"
+    if fullgraph:
+        with pytest.raises(Exception):  # (the error a traced raise becomes is Dynamo's, by torch version)
+            compiled(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log)
+    else:
+        with pytest.raises(RuntimeError, match=refusal):
+            compiled(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log)
+    with torch.no_grad():  # (and without grad mode the call runs)
+        torch.testing.assert_close(compiled(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log),
+                                   call(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log), rtol=0, atol=0)
+
+
 def test_operator_equals_fwd_cpu():
     x = make_inputs("cpu")
     out_a, out_b = torch.empty_like(x["v"]), torch.empty_like(x["v"])

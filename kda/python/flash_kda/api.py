@@ -16,7 +16,7 @@ from flash_kda.launch import last_error, reserve_workspace
 from flash_kda.launch import run as _run  # (a global, not launch.run: one attribute lookup less per call)
 from flash_kda.planning import plan, workspace_bytes
 from flash_kda.pools import CHECKPOINT_EVERY_CAP
-from flash_kda.validation import HEAD_DIM, LOWER_BOUND_RANGE, check_cu_seqlens
+from flash_kda.validation import HEAD_DIM, LOWER_BOUND_RANGE, check_cu_seqlens, refuse_grad
 
 __all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "HEAD_DIM",
            "LOWER_BOUND_RANGE"]
@@ -160,6 +160,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         if type(checkpoint_every).__module__ == "numpy":
             checkpoint_every = int(checkpoint_every)
 
+        # The operator runs with grad mode off (its fake implementation too): the caller's grad mode is seen here.
+        refuse_grad(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state)
         return ops.fwd_op(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                           cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
                           checkpoint_indices, checkpoint_every)

@@ -11,6 +11,12 @@ Direct calls of ``flash_kda.fwd`` do not go through the dispatcher (it costs hos
 ``torch.ops.flash_kda.fwd`` yourself only where a tracer needs an operator, with all 20 arguments: ``fwd``'s
 positional ones, then ``workspace``, ``state_indices``, ``gate``, ``allow_neg_eigval``, ``num_accepted_tokens``,
 ``checkpoint_indices`` and ``checkpoint_every``.
+
+What the operator cannot check: it runs with grad mode off, so a tensor that requires grad is refused by ``fwd``
+before it (``validation.refuse_grad``), not by the operator; and a backend that functionalises it without putting
+the mutations back in place (torch.compile's ``aot_eager`` debugging backend) hands it copies of ``out`` and
+``final_state``, so the aliasing and inference-tensor refusals see the copies, not the caller's tensors (the
+default inductor backend hands it the caller's).
 """
 
 from __future__ import annotations

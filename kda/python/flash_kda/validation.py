@@ -16,7 +16,7 @@ import torch
 
 from flash_kda import pools
 
-__all__ = ["validate", "well_formed", "first_requiring_grad", "check_cu_seqlens", "check_state_indices",
+__all__ = ["validate", "well_formed", "refuse_grad", "first_requiring_grad", "check_cu_seqlens", "check_state_indices",
            "check_num_accepted_tokens", "check_token_state_reads", "check_checkpoint_indices", "sequence_lengths",
            "check_arch",
            "device_capability", "device_index", "cu_seqlens_on_host", "checked_cu_seqlens", "pool_slots", "HEAD_DIM",
@@ -61,17 +61,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     dims = _ordered_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                            cu_seqlens, workspace, state_indices, gate, allow_neg_eigval, num_accepted_tokens,
                            checkpoint_indices, checkpoint_every, concrete)
-    if torch.is_grad_enabled():  # (inference_mode and no_grad: False, one call)
-        name = first_requiring_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log,
-                                     "dt_bias": dt_bias, "initial_state": initial_state, "final_state": final_state})
-        if name is not None:
-            # fwd writes out and final_state in place and has no backward: the tensor would get no gradient, and a
-            # leaf written in place would leave autograd unaware (PyTorch's own out= operators refuse the same).
-            raise RuntimeError(
-                f"flash_kda.fwd has no backward, got {name}.requires_grad=True with grad mode on "
-                f"(torch.is_grad_enabled()): {name} would get no gradient; call fwd under torch.no_grad() or "
-                f"torch.inference_mode(), or pass {name}.detach()"
-            )
+    refuse_grad(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state)
     if concrete and not torch.is_inference_mode_enabled():
         for name, t in (("out", out), ("final_state", final_state), ("workspace", workspace)):
             if isinstance(t, torch.Tensor) and t.is_inference():
@@ -335,6 +325,22 @@ def _shown(x) -> str:
     if isinstance(x, numbers.Integral) and not isinstance(x, bool) and abs(int(x)).bit_length() > 256:
         return f"an int of {abs(int(x)).bit_length()} bits"
     return repr(x)
+
+
+def refuse_grad(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state) -> None:
+    """A RuntimeError naming the first of these tensors that requires grad, with grad mode on. ``fwd`` calls it
+    before its operator too under torch.compile: an operator runs with grad mode off, so its own checks cannot."""
+    if torch.is_grad_enabled():  # (inference_mode and no_grad: False, one call)
+        name = first_requiring_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log,
+                                     "dt_bias": dt_bias, "initial_state": initial_state, "final_state": final_state})
+        if name is not None:
+            # fwd writes out and final_state in place and has no backward: the tensor would get no gradient, and a
+            # leaf written in place would leave autograd unaware (PyTorch's own out= operators refuse the same).
+            raise RuntimeError(
+                f"flash_kda.fwd has no backward, got {name}.requires_grad=True with grad mode on "
+                f"(torch.is_grad_enabled()): {name} would get no gradient; call fwd under torch.no_grad() or "
+                f"torch.inference_mode(), or pass {name}.detach()"
+            )
 
 
 def first_requiring_grad(tensors: dict) -> str | None:
