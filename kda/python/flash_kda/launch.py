@@ -323,6 +323,7 @@ def _run_cpu(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
 
 
 _status_words: dict[int, int] = {}  # device index -> address of its error word
+_status_take_lock = threading.Lock()  # one last_error query at a time (kda/csrc/status_word.cu reads back one slot)
 # device index -> the pool sizes P of its calls with CUDA state_indices since the last query (for last_error's
 # message: the word holds the sequence, not the call's P).
 _pool_sizes: dict[int, set[int]] = {}
@@ -386,10 +387,11 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
     if word is None:
         return None
     C = _ext.load()
-    first_bad = int(C.status_word_take(word, index))
-    sizes = sorted(_pool_sizes.pop(index, ()))
-    per_token = index in _per_token_devices
-    _per_token_devices.discard(index)
+    with _status_take_lock:  # (queries from two threads would share the word's one read-back slot)
+        first_bad = int(C.status_word_take(word, index))
+        sizes = sorted(_pool_sizes.pop(index, ()))
+        per_token = index in _per_token_devices
+        _per_token_devices.discard(index)
     if first_bad >= C.STATUS_CLEAR:  # (the value of a word that no malformed boundary lowered)
         return None
     if first_bad >= C.STATUS_CHECKPOINT_INDEX_BASE:
@@ -454,9 +456,10 @@ def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
         if _capturing():
             raise RuntimeError(
                 f"flash_kda.fwd needs {nbytes} workspace bytes during CUDA graph capture but the cached workspace "
-                f"holds {0 if buf is None else buf.numel()}; pass workspace= or call "
+                f"of the capturing stream holds {0 if buf is None else buf.numel()}; pass workspace= or call "
                 "flash_kda.reserve_workspace(flash_kda.workspace_bytes(v, cu_seqlens, gate=gate), v.device) before "
-                "capture"
+                "capture, on the stream that captures (the cache is per stream; torch.cuda.graph captures on a side "
+                "stream unless given stream=)"
             )
         size = -(-nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
         old = _workspaces.pop(key, None)
@@ -472,7 +475,9 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
     """Grows the cached workspace of ``device``'s current stream to at least ``nbytes`` and returns it.
 
     Call before CUDA graph capture with the largest ``workspace_bytes(v, cu_seqlens, gate=gate)`` the graph will
-    see, so that ``fwd`` allocates nothing while capturing (or pass ``workspace=`` to ``fwd`` instead).
+    see, so that ``fwd`` allocates nothing while capturing (or pass ``workspace=`` to ``fwd`` instead). The cache
+    is per stream: call it with the capturing stream current (``torch.cuda.graph`` captures on a side stream of
+    its own unless given ``stream=``).
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
         # (the type only: a tensor passed by mistake would print its contents)
