@@ -1179,6 +1179,25 @@ def test_cuda_queries_without_cuda_name_themselves(monkeypatch):
             call()
 
 
+def test_release_workspace_drops_the_cache_and_keeps_what_graphs_use(monkeypatch):
+    """release_workspace() empties the per-(device, stream) cache; a buffer a captured graph uses moves to the
+    buffers held for the life of the process (CPU tensors stand in for the cached CUDA buffers)."""
+    from flash_kda import launch  # noqa: PLC0415
+
+    plain, captured = torch.empty(8, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8)
+    monkeypatch.setattr(launch, "_workspaces", {(0, 1): plain, (1, 5): captured})
+    monkeypatch.setattr(launch, "_captured", {captured.data_ptr()})
+    monkeypatch.setattr(launch, "_held_by_graphs", [])
+    assert flash_kda.release_workspace() is None
+    assert launch._workspaces == {}
+    assert len(launch._held_by_graphs) == 1 and launch._held_by_graphs[0] is captured
+    assert flash_kda.release_workspace() is None  # (nothing cached: nothing to do, no CUDA asked)
+    with pytest.raises(TypeError, match="release_workspace needs a CUDA device"):
+        flash_kda.release_workspace(1.5)
+    with pytest.raises(ValueError, match="release_workspace needs a CUDA device"):
+        flash_kda.release_workspace("cpu")
+
+
 @pytest.mark.gpu
 def test_workspace_too_small():
     # T = 40: a chunked plan, which needs a workspace (sequences of at most 16 tokens run the decode kernel, which

@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib
 
 from flash_kda._ext import build_info, device_info
-from flash_kda.api import check_cu_seqlens, fwd, last_error, plan, reserve_workspace, workspace_bytes
+from flash_kda.api import (check_cu_seqlens, fwd, last_error, plan, release_workspace, reserve_workspace,
+                           workspace_bytes)
 
 __version__ = "0.1.0"
 __all__ = [
-    "fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "Plan", "device_info",
-    "build_info", "__version__",
+    "fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "release_workspace", "plan", "Plan",
+    "device_info", "build_info", "__version__",
 ]
 
 _SUBMODULES = ("reference", "numerics", "compare", "api", "validation", "planning", "launch", "ops", "testing",

@@ -12,14 +12,14 @@ import numbers
 
 import torch
 
-from flash_kda.launch import last_error, reserve_workspace
+from flash_kda.launch import last_error, release_workspace, reserve_workspace
 from flash_kda.launch import run as _run  # (a global, not launch.run: one attribute lookup less per call)
 from flash_kda.planning import plan, workspace_bytes
 from flash_kda.pools import CHECKPOINT_EVERY_CAP
 from flash_kda.validation import HEAD_DIM, LOWER_BOUND_RANGE, check_cu_seqlens, refuse_grad
 
-__all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "plan", "HEAD_DIM",
-           "LOWER_BOUND_RANGE"]
+__all__ = ["fwd", "check_cu_seqlens", "last_error", "workspace_bytes", "reserve_workspace", "release_workspace", "plan",
+           "HEAD_DIM", "LOWER_BOUND_RANGE"]
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,

@@ -30,7 +30,7 @@ from flash_kda.validation import (
     validate,
 )
 
-__all__ = ["run", "run_cpu", "last_error", "reserve_workspace"]
+__all__ = ["run", "run_cpu", "last_error", "reserve_workspace", "release_workspace"]
 
 # C / 16 reaches the kernels as an int; a larger C than any sequence could reach means no checkpoint either way.
 _MAX_CHECKPOINT_CHUNKS = 1 << 30
@@ -488,3 +488,17 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
     index = _ext.cuda_index(_ext.cuda_device(device, "reserve_workspace"), "reserve_workspace")
     _status_word(index)  # the error word too, so that capture allocates nothing
     return _cached_workspace(index, _ext.current_stream(index), int(nbytes))
+
+
+def release_workspace(device: torch.device | str | int | None = None) -> None:
+    """Drops the cached workspaces of every stream of ``device`` (None: of every device), so that
+    ``torch.cuda.empty_cache()`` can return their memory; the next call without ``workspace=`` allocates again.
+    A buffer that a captured CUDA graph uses stays held for the life of the process, as when the cache outgrows it.
+    Touches no CUDA (a machine without one has nothing cached)."""
+    index = None if device is None else _ext.cuda_index(_ext.cuda_device(device, "release_workspace"),
+                                                        "release_workspace")
+    with _workspaces_lock:
+        for key in [key for key in _workspaces if index is None or key[0] == index]:
+            buf = _workspaces.pop(key)
+            if buf.data_ptr() in _captured:
+                _held_by_graphs.append(buf)
