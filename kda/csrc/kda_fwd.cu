@@ -19,6 +19,14 @@
 namespace kda {
 namespace {
 
+// The SMs of the current device (the stream pass's routing counts its items against them).
+int current_sm_count() {
+  int device = 0, sms = 0;
+  KDA_CUDA_CHECK(cudaGetDevice(&device));
+  KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // The chunked plans: the boundary check, then the single pass, the overlap or the two stages.
 void run_chunked(const FwdParams& p, cudaStream_t stream) {
   const bool overlap = p.lead_chunks >= 0;
@@ -70,7 +78,10 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
   }
   if (p.decode && p.num_seqs > 0 && p.heads > 0) {
     // Either kernel runs the input checks itself.
-    if (decode_chunk_runs(p.total_tokens, p.num_seqs, p.state_tokens)) {
+    if (stream_pass_runs(p.cu_seqlens != nullptr, p.seqlen, p.state_tokens, p.checkpoint_chunks > 0,
+                         p.final_state != nullptr && p.final_is_fp32, p.num_seqs * p.heads, current_sm_count())) {
+      launch_stream_pass(p, stream);
+    } else if (decode_chunk_runs(p.total_tokens, p.num_seqs, p.state_tokens)) {
       launch_decode_chunk(p, stream);
     } else if (decode_warp_specialised_runs(p)) {
       launch_decode_warp_specialised(p, stream);

@@ -305,6 +305,20 @@ inline bool decode_chunk_runs(int64_t total_tokens, int64_t num_seqs, int state_
   return state_tokens == 0 && total_tokens >= kChunk * num_seqs && total_tokens > 0;
 }
 
+// Under the decode plan, the stream pass (stream_pass.cuh) for fixed-length calls of exactly one chunk per sequence
+// (T = 16) without per-token states or checkpoints: the chunked arithmetic (the two stages' records and step, so
+// the chunked plans' bits), where the chunk step spends about twice the instructions on its fp32-grade products
+// (docs/PERFORMANCE.md, "The stream pass"). Two more conditions keep the decode slice's accuracy: no fp32 final
+// state (the chunk step's fp32 recurrence holds one to about 1e-7, the chunked arithmetic to about 3e-3, at its
+// bound), and at least one (sequence, head) item per SM (a call of one or a few heads can exceed the short-sequence
+// bounds on the chunked arithmetic; many heads average them out, and the persistent kernel needs them to pay).
+// Shorter sequences keep the decode kernels' accuracy.
+inline bool stream_pass_runs(bool varlen, int64_t seqlen, int state_tokens, bool checkpoints, bool fp32_final,
+                             int64_t items, int sm_count) {
+  return !varlen && seqlen == kChunk && state_tokens == 0 && !checkpoints && !fp32_final && items >= sm_count &&
+         sm_count > 0;
+}
+
 // The plan for a call, with whatever `forced` fixes.
 inline Plan choose_plan(int64_t total_tokens, int64_t seqlen, int64_t num_seqs, int heads, bool varlen, int sm_count,
                         const PlanOverrides& forced = {}, GateKind gate = GateKind::kLowerBound) {

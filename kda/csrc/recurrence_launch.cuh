@@ -63,5 +63,8 @@ void launch_finish_pass(const FwdParams& p, cudaStream_t stream);
 // The single pass of one (initial, final) state dtype pair (single_pass.cuh; single_pass_<initial>_<final>.cu).
 template <typename InitT, typename FinalT>
 void launch_single_pass_typed(const FwdParams& p, cudaStream_t stream);
+// The stream pass of one (initial, final) state dtype pair (stream_pass.cuh; stream_pass_<initial>_bf16.cu).
+template <typename InitT, typename FinalT>
+void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream);
 
 }  // namespace kda

@@ -51,19 +51,27 @@ struct NoChunkEnd {
 // kHiLo: the state update adds bf16(Uᵀ − bf16(Uᵀ))·Kr after bf16(Uᵀ)·Kr (slow decay, kda_plan.h).
 // kSelfFed (the single pass): the CTA has already put the chunks' records and value rows into stages 0 .. count - 1
 // of a ring of kRingStages >= count stages and synchronised; the steps then neither copy nor wait.
+// kPrepFed (the stream pass, stream_pass.cuh): other warps of the CTA prepare each chunk's record and value rows
+// straight into the ring and arrive on its "full" mbarrier; the steps wait for it and release the stage on its
+// "empty" one, as with a producer warp, and copy nothing. The ring runs on across calls: the step starts at
+// ring stage `first_stage` with parity `first_phase`, and the return value is the stage after the last step in
+// its low 16 bits and that stage's parity above them.
 // chunk_end(c, s) runs after each step with c, the chunks of the sequence done (c0 + step + 1), and the new state.
 template <int kWarps, bool kOutput, bool kValues, bool kWgmma, bool kHiLo, int kRingStages = kStages,
-          bool kSelfFed = false, typename ChunkEnd = NoChunkEnd>
-__device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
-                                           const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
-                                           StateRows& s, const ChunkEnd& chunk_end = ChunkEnd{}) {
+          bool kSelfFed = false, typename ChunkEnd = NoChunkEnd, bool kPrepFed = false>
+__device__ __forceinline__ uint32_t run_chunks(const FwdParams& p, uint8_t* smem, uint64_t* full, int64_t n, int h,
+                                               const SeqBounds& bounds, int64_t c0, int64_t count, int v_base,
+                                               StateRows& s, const ChunkEnd& chunk_end = ChunkEnd{},
+                                               int first_stage = 0, uint32_t first_phase = 0) {
   using Smem = RecurrenceSmem<kWarps, kRingStages>;
   constexpr int kStages = kRingStages;  // this ring's depth (recurrence_ring.cuh's kStages is the default)
   // CTAs of two warpgroups (the finishing pass) have a producer warp for the records and release each stage on
   // its empty barrier, so the warpgroups never meet at a CTA barrier and their products interleave on the tensor
   // cores; the others refill a stage after a CTA barrier placed while the tensor cores update S. Either way the
   // output product of a wgmma CTA goes first, so that its stores overlap the state update.
-  constexpr bool kProducer = kWgmma && kOutput && !kSelfFed;
+  constexpr bool kProducer = kWgmma && kOutput && !kSelfFed && !kPrepFed;
+  static_assert(!(kSelfFed && kPrepFed), "a ring is filled one way");
+  static_assert(!kPrepFed || (kWgmma && kOutput), "the stream pass runs the finishing step of two warpgroups");
   constexpr bool kOutputFirst = kWgmma && kOutput;
   // The 8-warp scan runs two CTAs per SM on 128 registers: bf16(S) in four parts and S ⊙ 2^Γ after Pᵀ, so that
   // ptxas need not serialise the products (docs/DESIGN.md, "The step").
@@ -115,7 +123,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     }
     cp_async_commit();
   };
-  if constexpr (!kSelfFed) {
+  if constexpr (!kSelfFed && !kPrepFed) {
     for (int i = 0; i < kStages - 1; ++i) fill_next();
   }
 
@@ -136,14 +144,14 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
   constexpr uint32_t kKqDescHi = smem_desc_hi(SmemSwizzle::k128B, 1024);  // Kd | Qd, 8-row groups 1 KB apart
   constexpr uint32_t kNarrowDescHi = smem_desc_hi(SmemSwizzle::k32B, 256);  // Krᵀ, INV | Mqk
   const uint32_t ring_desc_lo = smem_desc_lo(smem);
-  int stage_index = 0;
-  uint32_t phase = 0;
+  int stage_index = first_stage;
+  uint32_t phase = first_phase;
   for (int i = 0; i < steps; ++i) {
     // Wait for this chunk: its value rows (this warp's own copies, the oldest group in flight) and its record.
     // With a producer warp, this warp first refills its value rows of the stage it used last step (no other
     // warp reads them); without one, every refill happens later in the step, after a CTA barrier.
-    if constexpr (kSelfFed) {
-      // nothing to wait for: the caller's CTA barrier
+    if constexpr (kSelfFed || kPrepFed) {
+      // nothing of this warp's own in flight (the single pass: the caller's CTA barrier came first)
     } else if constexpr (kProducer) {
       fill_next();
       cp_async_wait<kStages - 1>();
@@ -350,7 +358,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
         wgmma_wait<1>();
         register_fence(po);
         store_outputs();
-      } else if constexpr (!kSelfFed) {
+      } else if constexpr (!kSelfFed && !kPrepFed) {
         // While the tensor cores update S: every warp has finished the previous step (it waited for that step's
         // products before this one), so the stage of that step is free to refill.
         __syncthreads();
@@ -359,9 +367,9 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
       wgmma_wait<0>();
       register_fence(s);
       register_fence(po);
-      if constexpr (kProducer) {
-        // The products above were this stage's last readers: release it to the producer warp, every thread for
-        // its own reads of the stage (an mbarrier arrival releases the arriving thread's accesses only; with one
+      if constexpr (kProducer || kPrepFed) {
+        // The products above were this stage's last readers: release it to the producer (or preparing) warps,
+        // every thread for its own reads of the stage (an mbarrier arrival releases the arriving thread's accesses only; with one
         // arrival per warp after __syncwarp, compute-sanitizer's racecheck reported the refill's bulk copy against
         // the other lanes' reads of β and 2^Γ; per-thread arrivals measured the same time on the H200, 2026-12-01).
         // The __syncwarp orders every lane's ldmatrix of this stage's value rows before the next step's refill of
@@ -389,7 +397,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
         }
       }
       // The state update's mma.sync are in flight: refill the previous step's stage meanwhile.
-      if constexpr (!kSelfFed) {
+      if constexpr (!kSelfFed && !kPrepFed) {
         __syncthreads();
         fill_next();
       }
@@ -402,6 +410,7 @@ __device__ __forceinline__ void run_chunks(const FwdParams& p, uint8_t* smem, ui
     stage_index = stage_index + 1 == kStages ? 0 : stage_index + 1;
     phase ^= stage_index == 0 ? 1u : 0u;
   }
+  return static_cast<uint32_t>(stage_index) | (phase << 16);
 }
 
 }  // namespace kda

@@ -524,7 +524,28 @@ def _decode() -> list[Case]:
     for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
         for params in ("fp32", "bf16", "fp16"):
             cases.append(Case("decode", H=4, T=5, state_dtype=init, final_dtype=final, param_dtype=params))
-    return cases
+    return cases + _stream_pass_cases()
+
+
+def _stream_pass_cases() -> list[Case]:
+    """The stream pass's calls (kda_plan.h, stream_pass_runs: 16 tokens per sequence, no fp32 final state, at least
+    one (sequence, head) item per SM), B8 T16 H32 (256 items): a bf16 pool in place with a padding row, dense states
+    of every kind it takes (a bf16 final state or none, a bf16 or fp32 initial state or none), the slow-decay
+    product, the softplus gate with grouped value heads and negative eigenvalues; and an fp32 final state, which
+    stays on the chunk step."""
+    shape = dict(H=32, B=8, T=16)
+    return [
+        Case("decode", **shape, state_dtype="bf16", inplace_state=True, pool=12, padding=1),
+        Case("decode", **shape, state_dtype="bf16"),
+        Case("decode", **shape, state_io="in_only", state_dtype="bf16"),
+        Case("decode", **shape, state_io="out_only", state_dtype="bf16"),
+        Case("decode", **shape, state_io="no_state"),
+        Case("decode", **shape, state_dtype="fp32", final_dtype="bf16"),
+        Case("decode", **shape, state_io="in_only", state_dtype="fp32"),
+        Case("decode", **shape, state_dtype="bf16", lower_bound=-1.0),
+        Case("decode", **shape, state_dtype="bf16", gate="softplus", G=2, neg_eigval=True),
+        Case("decode", **shape, state_dtype="fp32"),
+    ]
 
 
 def _forced_decode(base: list[Case]) -> list[Case]:

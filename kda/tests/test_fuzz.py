@@ -117,7 +117,8 @@ def test_fuzz_gpu_equals_twin(i: int) -> None:
         flash_kda.fwd(**matrix.fwd_args(x))
         plan = flash_kda.plan(x["v"], x["cu_seqlens"], **matrix.plan_args(x))  # (v: the value heads)
     # The plan the call ran (decode included): short shapes run the decode kernel unless something else is forced.
-    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode)
+    twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode,
+                                                 final_dtype=x["final_state"].dtype if case.has_final else None)
     failures = []
     if not torch.equal(x["out"], twin_out):
         failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")

@@ -5,13 +5,14 @@ sequences, both state dtypes, no state, int32 cu_seqlens) and, with forced plans
 products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1), the single pass (a
 sequence of more than one block of 8 chunks, empty ones, a partial chunk) and the overlap (lead and tail
 records, a partial chunk) and the decode kernel (one and 16 tokens, empty sequences, both state dtypes, in place,
-and forced over longer sequences), then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
+and forced over longer sequences) and the stream pass (a bf16 state prefetch with padding rows in a pool in place),
+then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
 0, negative) under every plan kind that takes cu_seqlens (two stages, longest first, the single pass, the time
 split with and without a V split, the decode kernel), each naming its first bad index through
 ``flash_kda.last_error``, and a last boundary short of T (padding tokens: no error), then pooled states (padding rows, in place, every plan kind), the softplus gate
 with grouped value heads (negative eigenvalues, A_log or dt_bias None, pools; every plan kind) and a log decay of
--960 per token, and a state index past the pool under two stages, the single pass, the time split and the overlap
-(named by ``last_error``; no access outside the pool), under each tool; the test asserts exit
+-960 per token, and a state index past the pool under two stages, the single pass, the time split, the overlap,
+the decode kernel and the stream pass (named by ``last_error``; no access outside the pool), under each tool; the test asserts exit
 code 0 and the tool's clean summary ("ERROR SUMMARY: 0 errors" for memcheck, "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
 0 warnings)" for racecheck). compute-sanitizer is looked up on PATH, then $KDA_CUDA_HOME/bin, then
 /usr/local/cuda/bin; where it is absent the test is skipped (with KDA_REQUIRE_GPU=1 it fails instead).
@@ -86,6 +87,12 @@ CHILD = textwrap.dedent(
         (matrix.Case("decode", H=2, seqlens=(4, 0, 1), state_io="no_state"), automatic),
         (matrix.Case("adversarial", H=2, seqlens=(0, 40, 0, 17), state_dtype="bf16"),
          lambda: testing.force_plan(decode=True)),
+        # The stream pass (16 tokens per sequence, an item per SM, no fp32 final state): its bf16 state prefetch
+        # two items ahead with a padding row in a pool in place, an fp32 initial state, no state and softplus.
+        (matrix.Case("decode", H=2, B=80, T=16, state_dtype="bf16", pool=90, padding=3, inplace_state=True),
+         automatic),
+        (matrix.Case("decode", H=2, B=80, T=16, state_dtype="fp32", final_dtype="bf16"), automatic),
+        (matrix.Case("decode", H=4, G=2, B=40, T=16, gate="softplus", state_io="no_state"), automatic),
         # The softplus gate with grouped value heads (two value heads per key head; four in the pool), negative
         # eigenvalues and A_log / dt_bias None among them, on every plan kind (the single pass with the lower-bound
         # gate); a log decay of -960 per token.
@@ -196,6 +203,23 @@ CHILD = textwrap.dedent(
             assert message is not None and "state_indices[1]" in message, (plan_name, message)
             print("ran bad state index", plan_name, index_dtype, flush=True)
 
+    # The same under the stream pass (automatic for these shapes): its state prefetch two items ahead skips the
+    # index past the pool and the padding row.
+    from flash_kda import planning
+    assert planning.stream_pass_runs(False, 16, fp32_final=False, items=160,
+                                     sm_count=planning.sm_count_of(torch.cuda.current_device()))
+    for index_dtype in (torch.int64, torch.int32):
+        case = matrix.Case("pool", H=2, B=80, T=16, state_dtype="bf16", pool=80, inplace_state=True)
+        x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
+        indices = torch.arange(80, dtype=index_dtype)
+        indices[1], indices[2] = 1 << 30, -1
+        x["state_indices"] = indices.cuda()
+        flash_kda.fwd(**matrix.fwd_args(x))
+        torch.cuda.synchronize()
+        message = flash_kda.last_error()
+        assert message is not None and "state_indices[1]" in message, ("stream_pass", message)
+        print("ran bad state index stream_pass", index_dtype, flush=True)
+
     # A CUDA checkpoint entry past the pool under the same plan kinds: skipped (nothing written outside the pool),
     # named by the device word.
     for plan_name, plan in bad_index_plans:
@@ -211,7 +235,7 @@ CHILD = textwrap.dedent(
     """
 )
 MALFORMED_RUNS = 5 * 6  # malformed boundaries x plan kinds in CHILD
-BAD_INDEX_RUNS = 2 * 5  # index dtypes x plan kinds of the state index past the pool in CHILD
+BAD_INDEX_RUNS = 2 * 6  # index dtypes x plan kinds (the stream pass's own loop too) of the state index past the pool
 BAD_CHECKPOINT_RUNS = 5  # plan kinds of the checkpoint entry past the pool in CHILD
 
 
@@ -242,6 +266,6 @@ def test_compute_sanitizer(tool: str) -> None:
     assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
     assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
     ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
-    # One Case( builds the malformed runs, one the bad state index runs, one the bad checkpoint entry runs.
-    expected = CHILD.count("matrix.Case(") - 3 + MALFORMED_RUNS + BAD_INDEX_RUNS + BAD_CHECKPOINT_RUNS
+    # One Case( builds the malformed runs, two the bad state index runs, one the bad checkpoint entry runs.
+    expected = CHILD.count("matrix.Case(") - 4 + MALFORMED_RUNS + BAD_INDEX_RUNS + BAD_CHECKPOINT_RUNS
     assert len(ran) == expected, f"{len(ran)} of {expected} cases ran under {tool}:\n{tail}"

@@ -1868,6 +1868,31 @@ def test_decode_chunk_step_choice():
     assert not planning.decode_chunk_runs(64 * 16, 64, state_tokens=4)
 
 
+def test_stream_pass_choice():
+    """Under a decode plan the stream pass runs fixed-length calls of exactly 16 tokens per sequence without per-token
+    states, checkpoints or an fp32 final state, of at least one (sequence, head) item per SM (kda_plan.h,
+    stream_pass_runs); every other call keeps the decode kernels."""
+    from flash_kda import planning
+
+    def runs(varlen=False, seqlen=16, state_tokens=0, checkpoints=False, fp32_final=False, items=64 * 32, sms=132):
+        return planning.stream_pass_runs(varlen, seqlen, state_tokens, checkpoints, fp32_final=fp32_final,
+                                         items=items, sm_count=sms)
+
+    assert runs()
+    assert runs(items=132)
+    assert not runs(items=131)
+    assert not runs(items=32)  # one sequence of 32 heads: the decode slice's small cases stay on the chunk step
+    assert not runs(fp32_final=True)
+    assert not runs(varlen=True)
+    assert not runs(seqlen=15)
+    assert not runs(seqlen=1)
+    assert not runs(state_tokens=4)
+    assert not runs(checkpoints=True)
+    assert not runs(items=0, sms=0)
+    with pytest.raises(ValueError, match="items"):
+        runs(items=-1)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"v_split": 2}, {"scan_v_split": 2}, {"segment_chunks": 0}, {"single_pass": True}, {"single_pass": False},

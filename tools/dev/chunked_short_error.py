@@ -6,6 +6,10 @@ for it on the CPU with the same operand rounding (tensor-core operands rounded t
 PyTorch's exp2 and sigmoid, so its figures are estimates of the kernel's, not its bits. A program, not a test:
 
     PYTHONPATH=<package>:kda/tests python3 tools/dev/chunked_short_error.py --seeds 12
+    PYTHONPATH=<package>:kda/tests python3 tools/dev/chunked_short_error.py --stream-pass-cases
+
+The second form estimates the matrix's own stream-pass cases (matrix._stream_pass_cases, their seeds; a pool as
+the dense states it holds).
 """
 
 from __future__ import annotations
@@ -29,12 +33,37 @@ def bf16_operand_arithmetic() -> numerics.Arithmetic:
                                hi_lo_update=lambda lower_bound: lower_bound is not None and lower_bound > -4)
 
 
+def estimate(case: matrix.Case, ar: numerics.Arithmetic) -> tuple[float, float | None]:
+    """Relative L2 errors of out and of the final state (None without one) of ``case`` against float64."""
+    x = matrix.make_inputs(case, "cpu")
+    twin = matrix.twin_args(x)
+    out, state = numerics.chunked_forward(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["A_log"], x["dt_bias"], x["lower_bound"],
+        twin.get("initial_state"), None, ar, 0, twin.get("gate_kind", "lower_bound"), twin.get("beta_scale", 1.0))
+    ref_out, ref_state = reference.reference_chunked(**twin)
+    state_error = compare.compare(state.to(x["final_state"].dtype), ref_state).rel_l2 if case.has_final else None
+    return compare.compare(out, ref_out).rel_l2, state_error
+
+
+def estimate_stream_pass_cases(ar: numerics.Arithmetic) -> None:
+    print("| case | out | final state |")
+    print("|---|---:|---:|")
+    for case in matrix._stream_pass_cases():
+        dense = dataclasses.replace(case, pool=0, padding=0, inplace_state=False) if case.pool else case
+        out, state = estimate(dense, ar)
+        print(f"| {case.id} | {out:.2e} | {'' if state is None else f'{state:.2e}'} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=12)
     parser.add_argument("--T", type=int, default=16)
+    parser.add_argument("--stream-pass-cases", action="store_true", help="the matrix's stream-pass cases instead")
     args = parser.parse_args()
     ar = bf16_operand_arithmetic()
+    if args.stream_pass_cases:
+        estimate_stream_pass_cases(ar)
+        return
     print("| shape | state in/out | final dtype | out max | out mean | state max | state mean |")
     print("|---|---|---|---:|---:|---:|---:|")
     for H, B in ((1, 1), (4, 1), (32, 1), (4, 3)):
@@ -43,14 +72,9 @@ def main() -> None:
                 outs, states = [], []
                 for seed in range(args.seeds):
                     case = matrix.Case("decode", H=H, B=B, T=args.T, state_io=io, state_dtype=dt, seed=1000 + seed)
-                    x = matrix.make_inputs(case, "cpu")
-                    twin = matrix.twin_args(x)
-                    out, state = numerics.chunked_forward(
-                        x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["A_log"], x["dt_bias"],
-                        x["lower_bound"], twin.get("initial_state"), None, ar, 0)
-                    ref_out, ref_state = reference.reference_chunked(**twin)
-                    outs.append(compare.compare(out, ref_out).rel_l2)
-                    states.append(compare.compare(state.to(x["final_state"].dtype), ref_state).rel_l2)
+                    out, state = estimate(case, ar)
+                    outs.append(out)
+                    states.append(state)
                 print(f"| B{B} T{args.T} H{H} | {io} | {dt} | {max(outs):.2e} | {sum(outs) / len(outs):.2e} | "
                       f"{max(states):.2e} | {sum(states) / len(states):.2e} |", flush=True)
 

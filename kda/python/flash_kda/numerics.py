@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -36,6 +37,7 @@ CHUNK = 16
 HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 NORM_EPS = 1e-6
+_UNSAID = object()  # twin_forward's final_dtype where the caller gave none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -856,12 +858,14 @@ def decode_twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, in
 def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_state=None, cu_seqlens=None,
                  segment_chunks=None, decode=None, *, state_indices=None, final_state=None,
                  gate_kind: str = "lower_bound", beta_scale: float = 1.0, num_accepted_tokens=None,
-                 checkpoint_indices=None, checkpoint_every: int = 0):
+                 checkpoint_indices=None, checkpoint_every: int = 0, final_dtype=_UNSAID):
     """The kernel's exact arithmetic (CUDA tensors only): (out bf16 [B,T,H,V], final_state fp32 [N,H,V,K]).
 
     ``segment_chunks``: the time split to re-enact; ``decode``: whether to re-enact the decode plan's kernels
     (``decode_twin_forward``, or ``decode_chunk_twin_forward`` where sequences average 16 tokens or more) instead
-    of the chunked kernels. None takes the choice
+    of the chunked kernels. A decode plan's stream pass (``planning.stream_pass_runs``) runs the chunked
+    arithmetic; it depends on the dtype of the call's final state, ``final_dtype`` (None: no final state), which
+    must be given where it decides. None takes the choice
     ``flash_kda.fwd`` would make for these inputs now (its plan, including a plan forced by
     ``flash_kda.testing.force_plan``). With ``state_indices`` [N], ``initial_state`` is a pool [P, H, V, K] and
     the second result is the fp32 pool ``fwd`` leaves: ``final_state`` (the pool before the call; default
@@ -899,6 +903,9 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
                 q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
                 segment_chunks, gate_kind, beta_scale, entries)
         return _forward_on(initial_state, final_state, state_indices, forward, checkpoint_slots=slots)
+    if decode and not per_token and _stream_pass_runs(v, cu_seqlens, final_dtype):
+        decode = False  # the stream pass: the chunked arithmetic, no time split
+        segment_chunks = 0
     if decode and not per_token and planning.decode_chunk_runs(v.shape[0] * v.shape[1], len(
             sequence_bounds(cu_seqlens, v.shape[0], v.shape[1])[2])):
         return _forward_on(initial_state, final_state, state_indices, lambda initial: decode_chunk_twin_forward(
@@ -912,6 +919,21 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
         q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
         segment_chunks, gate_kind, beta_scale,
     ), **per_token)
+
+
+def _stream_pass_runs(v, cu_seqlens, final_dtype) -> bool:
+    """Whether ``fwd``'s decode plan runs the stream pass for a call with values ``v`` (planning.stream_pass_runs)
+    and a final state of ``final_dtype`` (a ValueError where that decides and was not given)."""
+    items = (v.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1) * v.shape[2]
+    device = v.device.index if v.device.index is not None else torch.cuda.current_device()
+    route = functools.partial(planning.stream_pass_runs, cu_seqlens is not None, v.shape[1], items=items,
+                              sm_count=planning.sm_count_of(device))
+    if not route(fp32_final=False):
+        return False
+    if final_dtype is _UNSAID:
+        raise ValueError("twin_forward: pass final_dtype, the dtype of fwd's final_state (None for none): a decode "
+                         "plan's stream pass runs only without an fp32 final state")
+    return route(fp32_final=final_dtype == torch.float32)
 
 
 def _token_states(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, cu_seqlens, state_indices,

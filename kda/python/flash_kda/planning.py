@@ -21,7 +21,7 @@ from flash_kda.validation import GATE_CODES, cu_seqlens_on_host
 if TYPE_CHECKING:
     from flash_kda._C import Plan
 
-__all__ = ["plan", "plan_for", "decode_chunk_runs", "workspace_bytes", "host_cu_seqlens_bytes", "host_state_indices_bytes",
+__all__ = ["plan", "plan_for", "decode_chunk_runs", "stream_pass_runs", "workspace_bytes", "host_cu_seqlens_bytes", "host_state_indices_bytes",
            "host_num_accepted_tokens_bytes", "host_copies", "sm_count_of", "forced", "forced_plan", "PlanOverrides", "Plan", "V_SPLITS"]
 
 V_SPLITS = (1, 2, 4, 8)
@@ -110,6 +110,18 @@ def decode_chunk_runs(total_tokens: int, num_seqs: int, state_tokens: int = 0) -
     token-by-token kernel (decode.cu) runs."""
     return bool(_ext.load().decode_chunk_runs(_count("total_tokens", total_tokens), _count("num_seqs", num_seqs),
                                               _count("state_tokens", state_tokens, 2**31)))
+
+
+def stream_pass_runs(varlen: bool, seqlen: int, state_tokens: int = 0, checkpoints: bool = False, *,
+                     fp32_final: bool, items: int, sm_count: int) -> bool:
+    """Whether a decode plan runs the stream pass (stream_pass.cuh), whose arithmetic is the chunked plans', for a
+    call: fixed-length sequences of exactly 16 tokens without per-token states or checkpoints, no fp32 final state,
+    and at least as many (sequence, head) ``items`` as the GPU's ``sm_count`` SMs (``kda::stream_pass_runs``);
+    otherwise ``decode_chunk_runs`` decides."""
+    return bool(_ext.load().stream_pass_runs(bool(varlen), _count("seqlen", seqlen),
+                                             _count("state_tokens", state_tokens, 2**31), bool(checkpoints),
+                                             bool(fp32_final), _count("items", items),
+                                             _count("sm_count", sm_count, 2**31)))
 
 
 def _count(name: str, value, limit: int = 2**63) -> int:

@@ -1,0 +1,245 @@
+// The stream pass (docs/DESIGN.md, "The stream pass") and its launcher for one (initial, final) state dtype pair,
+// instantiated by stream_pass_<initial>_bf16.cu: the chunked arithmetic of the two stages for calls of many
+// short sequences, in one persistent kernel that prepares chunks and steps through them side by side. The records
+// and the step are the preparation kernel's and the finishing pass's (prepare_chunk.cuh, recurrence_step.cuh), so
+// the bits are the chunked plans' and the twin is theirs.
+//
+// One CTA per SM takes the (sequence, head) items b, b + grid, ... in turn. Warps 0..7 (two warpgroups) hold the
+// item's 128 state rows in fp32 registers and run the finishing step of two warpgroups (run_chunks, kPrepFed);
+// warps 8..11 prepare the CTA's chunks in stream order (warp r takes positions r, r + 4, ...) straight into a ring
+// of 4 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the chunk's
+// value rows by cp.async. A stage passes from the preparing warp to the step warps on its "full" mbarrier and back
+// on its "empty" one. A bf16 initial state arrives by bulk copies, one per row into rows padded by 16 bytes (the
+// 4-byte fragment loads are then free of bank conflicts), two items ahead; an fp32 one the step warps load
+// themselves. Final states leave from registers.
+// Where the two stages cost 3,018 bytes per token-head and the single pass runs preparation and steps in turns,
+// this moves 1,282 and keeps both busy at once.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <type_traits>
+
+#include "kda/csrc/cuda_check.h"
+#include "kda/csrc/device_math.cuh"
+#include "kda/csrc/gate.cuh"
+#include "kda/csrc/input_checks.cuh"
+#include "kda/csrc/kda_launch.h"
+#include "kda/csrc/kda_params.h"
+#include "kda/csrc/prepare_chunk.cuh"
+#include "kda/csrc/recurrence_launch.cuh"
+#include "kda/csrc/recurrence_ring.cuh"
+#include "kda/csrc/recurrence_state_rows.cuh"
+#include "kda/csrc/recurrence_step.cuh"
+#include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/smem_opt_in.h"
+#include "kda/csrc/state_slots.cuh"
+
+namespace kda {
+namespace stream_pass {
+
+constexpr int kStepWarps = 8;  // two warpgroups, 16 state rows each
+constexpr int kPrepWarps = 4;  // one warpgroup
+constexpr int kThreads = (kStepWarps + kPrepWarps) * 32;
+constexpr int kRingStages = 4;   // prepared chunks in flight
+constexpr int kStateStages = 2;  // initial states in flight
+using Ring = RecurrenceSmem<kStepWarps, kRingStages>;
+constexpr int kStateRowBytes = kHeadDim * 2;  // a bf16 state row
+constexpr int kStatePitch = kStateRowBytes + 16;
+constexpr int kStateStageBytes = kHeadDim * kStatePitch;
+
+struct StreamSmem {
+  static constexpr int kStateOffset = (Ring::kBytes + 127) / 128 * 128;
+  static constexpr int kStateFullOffset = kStateOffset + kStateStages * kStateStageBytes;
+  static constexpr int kStateSlotOffset = kStateFullOffset + kStateStages * 8;  // the stage's slot (int64), or -1
+  static constexpr int kScratchOffset = (kStateSlotOffset + kStateStages * 8 + 127) / 128 * 128;
+  static constexpr int kBytes = kScratchOffset + kPrepWarps * static_cast<int>(sizeof(prep::PrepScratch));
+  static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the ring's start
+};
+static_assert(StreamSmem::kLaunchBytes <= 227 * 1024, "one CTA per SM");
+
+// The state slot of `item` (its sequence's, state_slots.cuh) into the stage's word, and a bf16 initial state's rows
+// into the stage (lane i of the warp copies rows i, i + 32, ...), or a plain arrival (zeros, or an fp32 state the
+// step warps read themselves). Warp-wide.
+template <typename InitT>
+__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t item, int64_t slot, uint8_t* smem,
+                                                 int stage, int lane) {
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + StreamSmem::kStateFullOffset) + stage;
+  const int h = static_cast<int>(item % p.heads);
+  const bool load = std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && slot >= 0;
+  if (lane == 0) {
+    reinterpret_cast<int64_t*>(smem + StreamSmem::kStateSlotOffset)[stage] = slot;
+    if (load) {
+      mbarrier_arrive_expect_tx(full, kHeadDim * kStateRowBytes);
+    } else {
+      mbarrier_arrive(full);
+    }
+  }
+  __syncwarp();
+  if (load) {
+    const auto* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h);
+    uint8_t* dst = smem + StreamSmem::kStateOffset + stage * kStateStageBytes;
+    for (int row = lane; row < kHeadDim; row += 32) {
+      bulk_copy_g2s(dst + row * kStatePitch, src + row * kHeadDim, kStateRowBytes, full);
+    }
+  }
+}
+
+// This warp's 16 state rows (StateRows layout) from a padded bf16 stage: one 4-byte load per n-tile and row.
+__device__ __forceinline__ void load_staged_rows(StateRows& s, const uint8_t* stage, int v_base, int gi, int ti) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const auto* row = reinterpret_cast<const __nv_bfloat16*>(stage + (v_base + gi + 8 * half) * kStatePitch);
+#pragma unroll
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      load_pair<__nv_bfloat16>(row + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+    }
+  }
+}
+
+// A preparing warp: stream positions r, r + P, ... of the CTA's chunks (its items' chunks in order).
+template <GateKind kGate>
+__device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem, int r, int lane) {
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ring::kBarrierOffset);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + Ring::kEmptyOffset);
+  auto* scratch = reinterpret_cast<prep::PrepScratch*>(smem + StreamSmem::kScratchOffset) + r;
+  const int64_t items = p.num_seqs * p.heads;
+  const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;
+  const auto* v = static_cast<const __nv_bfloat16*>(p.v);
+  uint32_t pos = static_cast<uint32_t>(r);
+  uint32_t item_start = 0;  // the stream position of the item's first chunk
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t n = item / p.heads;
+    const int h = static_cast<int>(item % p.heads);
+    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+    const int64_t len = b.eos - b.bos;
+    const uint32_t chunks = static_cast<uint32_t>((len + kChunk - 1) / kChunk);
+    for (; pos - item_start < chunks; pos += kPrepWarps) {
+      const int64_t c = pos - item_start;
+      const int stage_index = static_cast<int>(pos % kRingStages);
+      mbarrier_wait_parity_warp(&empty[stage_index], ((pos / kRingStages) & 1u) ^ 1u);
+      uint8_t* stage = smem + stage_index * Ring::kStageBytes;
+      const int64_t t0 = b.bos + c * kChunk;
+      const int rows = static_cast<int>(min(len - c * kChunk, static_cast<int64_t>(kChunk)));
+      // The value rows, 16 bytes per lane and piece (rows past the sequence zero-filled from its first value); the
+      // preparation's own wait for its copies covers these.
+      const __nv_bfloat16* v_chunk = v + t0 * token_stride + h * kHeadDim;
+#pragma unroll
+      for (int i = 0; i < kChunk * kHeadDim / 8 / 32; ++i) {
+        const int piece = lane + 32 * i, row = piece / (kHeadDim / 8), col = 8 * (piece % (kHeadDim / 8));
+        const bool valid = row < rows;
+        cp_async_16(stage + Ring::kValueOffset + row * Ring::kValueStride + 2 * col,
+                    valid ? v_chunk + row * token_stride + col : v_chunk, valid ? 16 : 0);
+      }
+      prep::prepare_chunk<false, kGate>(p, h, t0, rows, stage, scratch->kd, lane);
+      fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
+      mbarrier_arrive(&full[stage_index]);
+    }
+    item_start += chunks;
+  }
+}
+
+}  // namespace stream_pass
+
+template <typename InitT, typename FinalT, GateKind kGate, bool kHiLo>
+__global__ void __launch_bounds__(stream_pass::kThreads, 1) kda_stream_pass_kernel(const FwdParams p) {
+  using namespace stream_pass;
+  extern __shared__ __align__(128) uint8_t dynamic_smem[];
+  uint8_t* smem = aligned_ring(dynamic_smem);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t items = p.num_seqs * p.heads;
+
+  const int64_t last_check = last_check_item<false>(p);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i <= last_check;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    check_call_inputs<false>(p, i);
+  }
+  uint64_t* ring_full = reinterpret_cast<uint64_t*>(smem + Ring::kBarrierOffset);
+  uint64_t* state_full = reinterpret_cast<uint64_t*>(smem + StreamSmem::kStateFullOffset);
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kRingStages; ++st) {
+      mbarrier_init(&ring_full[st], 32);                        // every lane of the preparing warp
+      mbarrier_init(&ring_full[kRingStages + st], kStepWarps * 32);  // every step thread (Ring::kEmptyOffset)
+    }
+    for (int st = 0; st < kStateStages; ++st) mbarrier_init(&state_full[st], 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  if (warp >= kStepWarps) {
+    prepare_stream<kGate>(p, smem, warp - kStepWarps, lane);
+    return;
+  }
+
+  const int gi = lane >> 2, ti = lane & 3;
+  const int v_base = warp * 16;
+  const int64_t stride = gridDim.x;
+  if (warp == 0) {
+    for (int st = 0; st < kStateStages; ++st) {
+      const int64_t first = blockIdx.x + st * stride;
+      if (first < items) start_state_load<InitT>(p, first, state_slot(p, first / p.heads), smem, st, lane);
+    }
+  }
+  int state_stage = 0;
+  uint32_t state_phase = 0;
+  uint32_t ring = 0;  // run_chunks's ring position: stage | parity << 16
+  for (int64_t item = blockIdx.x; item < items; item += stride) {
+    const int64_t n = item / p.heads;
+    const int h = static_cast<int>(item % p.heads);
+    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+    const int64_t chunks = (b.eos - b.bos + kChunk - 1) / kChunk;
+
+    mbarrier_wait_parity_warp(&state_full[state_stage], state_phase);
+    const int64_t slot = reinterpret_cast<const int64_t*>(smem + StreamSmem::kStateSlotOffset)[state_stage];
+    StateRows s;
+    if (p.initial_state != nullptr && slot >= 0) {
+      if constexpr (std::is_same_v<InitT, __nv_bfloat16>) {
+        load_staged_rows(s, smem + StreamSmem::kStateOffset + state_stage * kStateStageBytes, v_base, gi, ti);
+      } else {
+        load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h), v_base, gi, ti);
+      }
+    } else {
+      fill_rows(s, 0.f);
+    }
+    // Every step warp has its rows (named barrier 1): the stage may be refilled, with the state of the item two
+    // ahead. Warp 0 loads that item's state index now and issues the copies after this item's steps, so that no
+    // wgmma waits for the index's load.
+    asm volatile("bar.sync 1, %0;" ::"n"(kStepWarps * 32) : "memory");
+    const int64_t refill_item = item + kStateStages * stride;
+    const int refill_stage = state_stage;
+    SlotBits refill_bits{0, 0};
+    if (warp == 0 && refill_item < items) refill_bits = load_slot_bits(p, refill_item / p.heads);
+    if (++state_stage == kStateStages) state_stage = 0, state_phase ^= 1u;
+
+    ring = run_chunks<kStepWarps, true, true, true, kHiLo, kRingStages, false, NoChunkEnd, true>(
+        p, smem, ring_full, n, h, b, 0, chunks, v_base, s, NoChunkEnd{}, static_cast<int>(ring & 0xFFFFu),
+        ring >> 16);
+
+    if (warp == 0 && refill_item < items) {
+      start_state_load<InitT>(p, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage, lane);
+    }
+    if (p.final_state != nullptr && slot >= 0) {
+      store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
+    }
+  }
+}
+
+template <typename InitT, typename FinalT>
+void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream) {
+  with_gate(p.gate, [&](auto gate) {
+    with_hi_lo(p.lower_bound, [&](auto hi_lo) {
+      constexpr auto kernel = kda_stream_pass_kernel<InitT, FinalT, decltype(gate)::value, decltype(hi_lo)::value>;
+      int device = 0, sms = 0;
+      KDA_CUDA_CHECK(cudaGetDevice(&device));
+      KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      opt_in_dynamic_smem<kernel>(stream_pass::StreamSmem::kLaunchBytes);
+      const int64_t items = p.num_seqs * p.heads;
+      const int64_t grid = items < sms ? items : sms;
+      kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, stream_pass::StreamSmem::kLaunchBytes, stream>>>(p);
+      KDA_CHECK_LAUNCH("kda_stream_pass_kernel");
+    });
+  });
+}
+
+}  // namespace kda

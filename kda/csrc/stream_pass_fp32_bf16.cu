@@ -1,0 +1,8 @@
+// The stream pass's kernels for an fp32 initial state and a bf16 final state (stream_pass.cuh).
+#include "kda/csrc/stream_pass.cuh"
+
+namespace kda {
+
+template void launch_stream_pass_typed<float, __nv_bfloat16>(const FwdParams& p, cudaStream_t stream);
+
+}  // namespace kda
