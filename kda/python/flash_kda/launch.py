@@ -494,7 +494,8 @@ def release_workspace(device: torch.device | str | int | None = None) -> None:
     """Drops the cached workspaces of every stream of ``device`` (None: of every device), so that
     ``torch.cuda.empty_cache()`` can return their memory; the next call without ``workspace=`` allocates again.
     A buffer that a captured CUDA graph uses stays held for the life of the process, as when the cache outgrows it.
-    Touches no CUDA (a machine without one has nothing cached)."""
+    Without ``device`` it touches no CUDA (a machine without one has nothing cached); with one, a machine without
+    CUDA gets the RuntimeError of ``reserve_workspace``."""
     index = None if device is None else _ext.cuda_index(_ext.cuda_device(device, "release_workspace"),
                                                         "release_workspace")
     with _workspaces_lock:
