@@ -34,6 +34,7 @@
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/prepare_chunk.cuh"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/sm_count.h"
 #include "kda/csrc/smem_opt_in.h"
 #include "kda/csrc/state_slots.cuh"
 #include "kda/csrc/state_types.h"
@@ -290,8 +291,8 @@ void launch_gated(const FwdParams& p, cudaStream_t stream) {
   opt_in_dynamic_smem<kernel>(kSmem);
   int resident = device < kMaxDevices ? ctas_per_device[device] : 0;
   if (resident == 0) {
-    int sms = 0, per_sm = 0;
-    KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    int per_sm = 0;
+    const int sms = current_sm_count();
     KDA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeThreads, kSmem));
     resident = sms * (per_sm > 0 ? per_sm : 1);
     if (device < kMaxDevices) ctas_per_device[device] = resident;

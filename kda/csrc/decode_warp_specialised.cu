@@ -26,6 +26,7 @@
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/prepare_chunk.cuh"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/sm_count.h"
 #include "kda/csrc/smem_opt_in.h"
 #include "kda/csrc/state_slots.cuh"
 
@@ -274,9 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
 template <GateKind kGate>
 void launch_gated(const FwdParams& p, cudaStream_t stream) {
   constexpr auto kernel = kda_decode_ws_kernel<kGate>;
-  int device = 0, sms = 0;
-  KDA_CUDA_CHECK(cudaGetDevice(&device));
-  KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = current_sm_count();
   opt_in_dynamic_smem<kernel>(kSmemBytes);
   const int64_t heads_total = p.num_seqs * p.heads;
   const int64_t pairs = (heads_total + kGroups - 1) / kGroups;

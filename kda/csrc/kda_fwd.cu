@@ -15,17 +15,10 @@
 #include "kda/csrc/kda_launch.h"
 #include "kda/csrc/kda_params.h"
 #include "kda/csrc/kda_plan.h"
+#include "kda/csrc/sm_count.h"
 
 namespace kda {
 namespace {
-
-// The SMs of the current device (the stream pass's routing counts its items against them).
-int current_sm_count() {
-  int device = 0, sms = 0;
-  KDA_CUDA_CHECK(cudaGetDevice(&device));
-  KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
 
 // The chunked plans: the boundary check, then the single pass, the overlap or the two stages.
 void run_chunked(const FwdParams& p, cudaStream_t stream) {

@@ -439,6 +439,14 @@ _WORKSPACE_GRANULE = 2 << 20  # round growth up to 2 MiB so slowly growing input
 _capturing = torch._C._cuda_isCurrentStreamCapturing  # (what torch.cuda.is_current_stream_capturing calls)
 
 
+def _retire_workspace(key: tuple[int, int]) -> None:
+    """Drops the cached workspace of ``key`` (if any); one a capture has used is held instead: a captured graph
+    writes it at every replay. Called with _workspaces_lock held."""
+    buf = _workspaces.pop(key, None)
+    if buf is not None and buf.data_ptr() in _captured:
+        _held_by_graphs.append(buf)
+
+
 def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
     """The cached workspace of device ``index``'s stream ``stream`` (its current one), grown to ``nbytes``."""
     key = (index, stream)
@@ -462,10 +470,8 @@ def _cached_workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
                 "stream unless given stream=)"
             )
         size = -(-nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
-        old = _workspaces.pop(key, None)
-        if old is not None and old.data_ptr() in _captured:
-            _held_by_graphs.append(old)  # a captured graph writes it at every replay
-        del old  # otherwise freed before its replacement is allocated
+        buf = None  # (no reference left: the old buffer is freed before its replacement is allocated)
+        _retire_workspace(key)
         buf = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
         _workspaces[key] = buf
         return buf
@@ -500,6 +506,4 @@ def release_workspace(device: torch.device | str | int | None = None) -> None:
                                                         "release_workspace")
     with _workspaces_lock:
         for key in [key for key in _workspaces if index is None or key[0] == index]:
-            buf = _workspaces.pop(key)
-            if buf.data_ptr() in _captured:
-                _held_by_graphs.append(buf)
+            _retire_workspace(key)
