@@ -9,9 +9,9 @@
 // warps 8..11 prepare the CTA's chunks in stream order (warp r takes positions r, r + 4, ...) straight into a ring
 // of 4 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the chunk's
 // value rows by cp.async. A stage passes from the preparing warp to the step warps on its "full" mbarrier and back
-// on its "empty" one. A bf16 initial state arrives by bulk copies, one per row into rows padded by 16 bytes (the
-// 4-byte fragment loads are then free of bank conflicts), two items ahead; an fp32 one the step warps load
-// themselves. Final states leave from registers.
+// on its "empty" one. A bf16 initial state arrives two items ahead by bulk copies that each step warp issues for
+// its own rows, one per row into rows padded by 16 bytes (the 4-byte fragment loads are then free of bank
+// conflicts); an fp32 one the step warps load themselves. Final states leave from registers.
 // Where the two stages cost 3,018 bytes per token-head and the single pass runs preparation and steps in turns,
 // this moves 1,282 and keeps both busy at once.
 #pragma once
@@ -33,6 +33,7 @@
 #include "kda/csrc/recurrence_state_rows.cuh"
 #include "kda/csrc/recurrence_step.cuh"
 #include "kda/csrc/sm90_async.cuh"
+#include "kda/csrc/sm_count.h"
 #include "kda/csrc/smem_opt_in.h"
 #include "kda/csrc/state_slots.cuh"
 
@@ -59,16 +60,19 @@ struct StreamSmem {
 };
 static_assert(StreamSmem::kLaunchBytes <= 227 * 1024, "one CTA per SM");
 
-// The state slot of `item` (its sequence's, state_slots.cuh) into the stage's word, and a bf16 initial state's rows
-// into the stage (lane i of the warp copies rows i, i + 32, ...), or a plain arrival (zeros, or an fp32 state the
-// step warps read themselves). Warp-wide.
+// A step warp's part of loading `item`'s initial state into a stage: warp 0 writes the state slot (its sequence's,
+// state_slots.cuh) into the stage's word and arrives (expecting a bf16 state's bytes, or plainly for zeros or an
+// fp32 state the step warps read themselves); every step warp copies its own 16 rows of a bf16 state (lane i < 16
+// copies row v_base + i). Each lane's bulk copy is issued on its own (the address is per lane): split over the
+// eight warps, a warp issues 16 instead of 128 (which took warp 0 about half the kernel at B64 T16 H32, Nsight
+// Compute). Copies completing before warp 0's expect-tx leave the stage's phase open: warp 0's arrival is pending.
 template <typename InitT>
 __device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t item, int64_t slot, uint8_t* smem,
-                                                 int stage, int lane) {
+                                                 int stage, int warp, int lane) {
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + StreamSmem::kStateFullOffset) + stage;
   const int h = static_cast<int>(item % p.heads);
   const bool load = std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && slot >= 0;
-  if (lane == 0) {
+  if (warp == 0 && lane == 0) {
     reinterpret_cast<int64_t*>(smem + StreamSmem::kStateSlotOffset)[stage] = slot;
     if (load) {
       mbarrier_arrive_expect_tx(full, kHeadDim * kStateRowBytes);
@@ -76,13 +80,11 @@ __device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t ite
       mbarrier_arrive(full);
     }
   }
-  __syncwarp();
-  if (load) {
-    const auto* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h);
-    uint8_t* dst = smem + StreamSmem::kStateOffset + stage * kStateStageBytes;
-    for (int row = lane; row < kHeadDim; row += 32) {
-      bulk_copy_g2s(dst + row * kStatePitch, src + row * kHeadDim, kStateRowBytes, full);
-    }
+  if (load && lane < 16) {
+    const int row = warp * 16 + lane;
+    const auto* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h) + row * kHeadDim;
+    bulk_copy_g2s(smem + StreamSmem::kStateOffset + stage * kStateStageBytes + row * kStatePitch, src,
+                  kStateRowBytes, full);
   }
 }
 
@@ -175,11 +177,9 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1) kda_stream_pass_kern
   const int gi = lane >> 2, ti = lane & 3;
   const int v_base = warp * 16;
   const int64_t stride = gridDim.x;
-  if (warp == 0) {
-    for (int st = 0; st < kStateStages; ++st) {
-      const int64_t first = blockIdx.x + st * stride;
-      if (first < items) start_state_load<InitT>(p, first, state_slot(p, first / p.heads), smem, st, lane);
-    }
+  for (int st = 0; st < kStateStages; ++st) {
+    const int64_t first = blockIdx.x + st * stride;
+    if (first < items) start_state_load<InitT>(p, first, state_slot(p, first / p.heads), smem, st, warp, lane);
   }
   int state_stage = 0;
   uint32_t state_phase = 0;
@@ -203,21 +203,21 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1) kda_stream_pass_kern
       fill_rows(s, 0.f);
     }
     // Every step warp has its rows (named barrier 1): the stage may be refilled, with the state of the item two
-    // ahead. Warp 0 loads that item's state index now and issues the copies after this item's steps, so that no
-    // wgmma waits for the index's load.
+    // ahead. Each step warp loads that item's state index now and issues its copies after this item's steps, so
+    // that no wgmma waits for the index's load.
     asm volatile("bar.sync 1, %0;" ::"n"(kStepWarps * 32) : "memory");
     const int64_t refill_item = item + kStateStages * stride;
     const int refill_stage = state_stage;
     SlotBits refill_bits{0, 0};
-    if (warp == 0 && refill_item < items) refill_bits = load_slot_bits(p, refill_item / p.heads);
+    if (refill_item < items) refill_bits = load_slot_bits(p, refill_item / p.heads);
     if (++state_stage == kStateStages) state_stage = 0, state_phase ^= 1u;
 
     ring = run_chunks<kStepWarps, true, true, true, kHiLo, kRingStages, false, NoChunkEnd, true>(
         p, smem, ring_full, n, h, b, 0, chunks, v_base, s, NoChunkEnd{}, static_cast<int>(ring & 0xFFFFu),
         ring >> 16);
 
-    if (warp == 0 && refill_item < items) {
-      start_state_load<InitT>(p, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage, lane);
+    if (refill_item < items) {
+      start_state_load<InitT>(p, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage, warp, lane);
     }
     if (p.final_state != nullptr && slot >= 0) {
       store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
@@ -230,9 +230,7 @@ void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream) {
   with_gate(p.gate, [&](auto gate) {
     with_hi_lo(p.lower_bound, [&](auto hi_lo) {
       constexpr auto kernel = kda_stream_pass_kernel<InitT, FinalT, decltype(gate)::value, decltype(hi_lo)::value>;
-      int device = 0, sms = 0;
-      KDA_CUDA_CHECK(cudaGetDevice(&device));
-      KDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      const int sms = current_sm_count();
       opt_in_dynamic_smem<kernel>(stream_pass::StreamSmem::kLaunchBytes);
       const int64_t items = p.num_seqs * p.heads;
       const int64_t grid = items < sms ? items : sms;
