@@ -221,7 +221,8 @@ struct FwdParams {
   // (Fields below were appended after the kernels above were tuned: appending keeps every earlier field's offset,
   // and so the machine code of kernels that do not read them.)
   bool decode;         // the decode plan (kda_fwd.cu): short sequences, the state in fp32 registers, token by token
-                       // (decode.cu, decode_warp_specialised.cu) or 16 tokens a step (decode_chunk.cu)
+                       // (decode.cu, decode_warp_specialised.cu), 16 tokens a step (decode_chunk.cu), or the
+                       // chunked arithmetic in one persistent kernel (stream_pass.cuh)
   // Pooled states, or null: sequence n's state is entry n of the state tensors. With indices, initial_state and final_state are pools [pool_slots, H, V, K] and sequence n uses slot
   // state_indices[n] (state_slot, state_slots.cuh): a negative index, or one outside [0, pool_slots), means no
   // state (start from zeros, write nothing); an index >= pool_slots is also reported through `status`.

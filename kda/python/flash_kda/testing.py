@@ -15,8 +15,9 @@ overlap (the preparation's tail on the SMs the recurrence leaves free, while it 
 ``force_plan(lead_chunks=L)`` runs it on any fixed-length batch with a lead of L chunks, ``lead_chunks=-1`` keeps
 it out. The decode plan (short sequences with the state in registers: token by token, or in 16-token chunk steps
 where sequences average 16 tokens or more; its twins ``numerics.decode_twin_forward`` and
-``numerics.decode_chunk_twin_forward``) runs on any shape under ``force_plan(decode=True)``, and ``decode=False``
-keeps it out; forcing anything else keeps it out too.
+``numerics.decode_chunk_twin_forward``, and the chunked twin where its stream pass runs,
+``planning.stream_pass_runs``) runs on any shape under ``force_plan(decode=True)``, and ``decode=False`` keeps it
+out; forcing anything else keeps it out too.
 
 Not meant for production code. The forced plan holds in the thread (or asyncio context) that entered the block,
 through a context variable of ``flash_kda.planning``; it is part of every plan-cache key.
