@@ -106,3 +106,64 @@ def test_anchored_products_equal_the_factorised_ones_where_both_are_finite():
     factorised = (k_hat * torch.exp2(cum)) @ (k_hat * torch.exp2(-cum)).transpose(-1, -2)
     strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
     assert torch.allclose(a.double()[..., strict], factorised[..., strict], rtol=1e-5, atol=1e-5)
+
+
+def _fp64_arithmetic() -> numerics.Arithmetic:
+    return numerics.Arithmetic(exp2=torch.exp2, softplus2=numerics._softplus2, sigmoid=torch.sigmoid,
+                               operand=lambda t: t, matmul=lambda a, b, c=None: a @ b)
+
+
+def _first_chunk(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k̂, q̃ and the running log₂ decay [H, 16, K] of sequence 0's first chunk, in float64."""
+    gamma = numerics._gate_log2(x["g"].float(), x["A_log"], x["dt_bias"], -5.0, numerics.fp32_arithmetic(),
+                                "softplus")
+    cum = gamma[0, :16].cumsum(0).transpose(0, 1).double()
+    k = x["k"][0, :16].double().transpose(0, 1)
+    q = x["q"][0, :16].double().transpose(0, 1)
+    return k / k.norm(dim=-1, keepdim=True), SCALE * q / q.norm(dim=-1, keepdim=True), cum
+
+
+def test_halves_products_equal_the_factorised_ones():
+    k_hat, q_scaled, cum = _first_chunk(_inputs(T=16, g_scale=1.0, a_log_max=0.5))
+    a, m = numerics._halves_products(k_hat, q_scaled, cum, _fp64_arithmetic())
+    decayed, restored = torch.exp2(cum), torch.exp2(-cum)
+    want_a = (k_hat * decayed) @ (k_hat * restored).transpose(-1, -2)
+    want_m = (q_scaled * decayed) @ (k_hat * restored).transpose(-1, -2)
+    strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
+    causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
+    assert torch.allclose(a[..., strict], want_a[..., strict], rtol=1e-10, atol=1e-12)
+    assert torch.allclose(m[..., causal], want_m[..., causal], rtol=1e-10, atol=1e-12)
+
+
+def test_halves_path_runs_where_the_factorised_products_overflow():
+    # Every channel of the chunk decays by 2^−300 over its 16 tokens, 2^−150 in each half: the factor 2^(−cum)
+    # passes fp32's range, the halves path's operands do not, and it is the path the chunk takes.
+    x = _inputs(T=16, g_scale=1.0, a_log_max=0.5)
+    k_hat, q_scaled, cum = _first_chunk(x)
+    cum = torch.linspace(-300 / 16, -300, 16, dtype=torch.float64)[None, :, None].expand_as(cum).clone()
+    assert torch.isinf(torch.exp2(-cum.float())).any()
+    for ar in (numerics.fp32_arithmetic(), _bf16_operands()):
+        a, m = numerics._softplus_products(k_hat.float(), q_scaled.float(), cum.float(), ar)
+        want_a, want_m = numerics._halves_products(k_hat.float(), q_scaled.float(), cum.float(), ar)
+        assert torch.equal(a, want_a) and torch.equal(m, want_m)
+        causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
+        assert torch.isfinite(a[..., causal]).all() and torch.isfinite(m[..., causal]).all()
+    coeff = torch.exp2(cum[..., :, None, :] - cum[..., None, :, :])  # [H, i, j, K]; overflows only above the diagonal
+    exact_a = (k_hat[..., :, None, :] * k_hat[..., None, :, :] * coeff).sum(-1)
+    got_a, _ = numerics._halves_products(k_hat, q_scaled, cum, _fp64_arithmetic())
+    strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
+    assert torch.allclose(got_a[..., strict], exact_a[..., strict], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("half_decay, path", [(232.0, "halves"), (232.5, "anchored")])
+def test_a_half_past_the_span_takes_the_anchored_path(half_decay, path):
+    x = _inputs(T=16, g_scale=1.0, a_log_max=0.5)
+    k_hat, q_scaled, cum = (t.float() for t in _first_chunk(x))
+    cum = cum.clone()
+    cum[0, 8:, 5] = cum[0, 7, 5] - half_decay  # head 0, one channel: its second half decays by half_decay
+    cum[0, 15, 5] = cum[0, 7, 5] - half_decay
+    ar = numerics.fp32_arithmetic()
+    a, _ = numerics._softplus_products(k_hat, q_scaled, cum, ar)
+    chosen = numerics._halves_products if path == "halves" else numerics._anchored_products
+    want, _ = chosen(k_hat, q_scaled, cum, ar)
+    assert torch.equal(a[0], want[0])
