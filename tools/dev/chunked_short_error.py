@@ -7,9 +7,12 @@ PyTorch's exp2 and sigmoid, so its figures are estimates of the kernel's, not it
 
     PYTHONPATH=<package>:kda/tests python3 tools/dev/chunked_short_error.py --seeds 12
     PYTHONPATH=<package>:kda/tests python3 tools/dev/chunked_short_error.py --stream-pass-cases
+    PYTHONPATH=<package>:kda/tests python3 tools/dev/chunked_short_error.py --slice gate_softplus
 
 The second form estimates the matrix's own stream-pass cases (matrix._stream_pass_cases, their seeds; a pool as
-the dense states it holds).
+the dense states it holds); the third every case of a matrix slice up to --max-token-heads (one line per distinct
+input: the slice's forced-plan copies of a case share its estimate), with the worst 64-token window and, for the
+softplus gate, how many (chunk, head) pairs take the halves path (numerics._softplus_products).
 """
 
 from __future__ import annotations
@@ -45,6 +48,51 @@ def estimate(case: matrix.Case, ar: numerics.Arithmetic) -> tuple[float, float |
     return compare.compare(out, ref_out).rel_l2, state_error
 
 
+def halves_share(case: matrix.Case) -> str:
+    """How many of the case's (chunk, head) pairs take the softplus gate's halves path, as "taken/all"."""
+    if case.gate != "softplus":
+        return ""
+    x = matrix.make_inputs(case, "cpu")
+    layout = numerics.chunk_layout(x["cu_seqlens"], x["v"].shape[0], x["v"].shape[1], "cpu")
+    g = numerics._gather_chunks(x["g"], layout).float()  # [C, H, 16, K]
+    gamma = numerics._gate_log2(g.transpose(-2, -3), x["A_log"], x["dt_bias"], x["lower_bound"],
+                                numerics.fp32_arithmetic(), "softplus").transpose(-2, -3)
+    cum = torch.where(layout.valid[:, None, :, None], gamma, torch.zeros_like(gamma)).cumsum(-2)
+    g7, total = cum[..., 7, :], cum[..., 15, :]
+    span = numerics.HALF_DECAY_SPAN
+    taken = ((g7 >= -span) & (total - g7 >= -span)).all(-1)
+    return f"{int(taken.sum())}/{taken.numel()}"
+
+
+def estimate_slice(ar: numerics.Arithmetic, slice_: str, max_token_heads: int) -> None:
+    print("| case | out | worst 64-token window | final state | halves path |")
+    print("|---|---:|---:|---:|---:|")
+    seen = set()
+    for case in matrix.cases(slice_):
+        tokens = case.B * (case.T if case.seqlens is None else sum(case.seqlens))
+        if tokens * case.H > max_token_heads:
+            continue
+        x = matrix.make_inputs(case, "cpu")
+        twin = matrix.twin_args(x)
+        signature = (tuple(x["q"].shape), case.seqlens, case.inputs, case.state_dtype, case.state_io, case.gate,
+                     case.seed, twin.get("beta_scale"), case.pool, case.padding)
+        if signature in seen:
+            continue
+        seen.add(signature)
+        out, state = numerics._forward_on(
+            twin.get("initial_state"), twin.get("final_state"), twin.get("state_indices"),
+            lambda initial: numerics.chunked_forward(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["A_log"], x["dt_bias"], x["lower_bound"],
+                initial, x["cu_seqlens"], ar, 0, twin.get("gate_kind", "lower_bound"), twin.get("beta_scale", 1.0)))
+        ref_out, ref_state = reference.reference_chunked(**twin)
+        c = compare.compare(out, ref_out, window=64)
+        state_error = ""
+        if case.has_final and twin.get("state_indices") is None:
+            state_error = f"{compare.compare(state.to(x['final_state'].dtype), ref_state).rel_l2:.2e}"
+        print(f"| {case.id} | {c.rel_l2:.2e} | {c.window_rel_l2:.2e} | {state_error} | {halves_share(case)} |",
+              flush=True)
+
+
 def estimate_stream_pass_cases(ar: numerics.Arithmetic) -> None:
     print("| case | out | final state |")
     print("|---|---:|---:|")
@@ -59,10 +107,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=12)
     parser.add_argument("--T", type=int, default=16)
     parser.add_argument("--stream-pass-cases", action="store_true", help="the matrix's stream-pass cases instead")
+    parser.add_argument("--slice", help="every case of this matrix slice instead")
+    parser.add_argument("--max-token-heads", type=int, default=40000, help="with --slice: larger cases are skipped")
     args = parser.parse_args()
     ar = bf16_operand_arithmetic()
     if args.stream_pass_cases:
         estimate_stream_pass_cases(ar)
+        return
+    if args.slice:
+        estimate_slice(ar, args.slice, args.max_token_heads)
         return
     print("| shape | state in/out | final dtype | out max | out mean | state max | state mean |")
     print("|---|---|---|---:|---:|---:|---:|")
