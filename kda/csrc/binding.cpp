@@ -28,9 +28,10 @@ T* ptr(std::uintptr_t address) {
 
 cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
-// Makes `device` the calling thread's current CUDA device for the launches and restores the previous one:
-// the work of a torch.cuda.device context, without its host time per call (two runtime calls when the
-// device is already current, as it usually is).
+// Makes `device` the calling thread's current CUDA device for the launches and restores the previous one. The
+// Python layer calls with the device already current (flash_kda._ext.on_device: torch's own context where it is
+// not, which restores the previous device without creating a CUDA context there), so this is two runtime calls
+// and no switch; it keeps a direct call correct.
 class CurrentDevice {
  public:
   explicit CurrentDevice(int device) {

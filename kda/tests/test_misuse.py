@@ -11,6 +11,8 @@ Each test pins one guarantee of the README's "Guarantees" section:
 - ``last_error()`` covers the work of every stream of the device;
 - threads on their own streams that grow the workspace cache get the bits of serial calls;
 - the CPU path refuses calls whose memory it cannot have, saying how much they need.
+- a call on another device than the thread's current one runs under that device's context, which torch restores
+  lazily (``_ext.on_device``: no CUDA context on a device the thread never used);
 CPU tests run in CI; the ``gpu`` ones on an sm_90 machine.
 """
 
@@ -371,3 +373,18 @@ def test_threads_on_their_own_streams_growing_the_cache_equal_serial_calls():
         assert torch.equal(out, serial[i][0]), f"thread {w}, shape {shapes[i]}: out differs from a serial call"
         assert torch.equal(final, serial[i][1]), f"thread {w}, shape {shapes[i]}: final_state differs"
     assert len(results) == 4 * len(inputs)
+
+
+@pytest.mark.parametrize("current", [0, 1])
+def test_device_calls_switch_through_torch_only_for_another_device(monkeypatch, current):
+    # (CPU: the choice alone; the device switch itself needs two GPUs)
+    from flash_kda import _ext
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    context = _ext.on_device(1)
+    if current == 1:
+        assert not isinstance(context, torch.cuda.device)
+        with context:
+            pass
+    else:
+        assert isinstance(context, torch.cuda.device) and context.idx == 1

@@ -7,6 +7,7 @@ and the references need only PyTorch); using a CUDA feature there raises an Impo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -94,6 +95,17 @@ def cuda_index(device: torch.device | None, caller: str) -> int:
     return torch.cuda.current_device()
 
 
+_ON_CURRENT_DEVICE = contextlib.nullcontext()
+
+
+def on_device(index: int):
+    """A context in which CUDA device ``index`` is current: nothing where it already is (the usual case), else
+    ``torch.cuda.device(index)``, whose exit restores the thread's device the way torch does, lazily (a device the
+    thread never used gets no CUDA context; the extension's own switch back would create one there). Device calls
+    of the extension and the capture checks run inside it."""
+    return _ON_CURRENT_DEVICE if torch.cuda.current_device() == index else torch.cuda.device(index)
+
+
 def build_info() -> dict:
     """The extension's build facts: toolkit version, archs compiled in, compiler flags."""
     return dict(load().build_info())
@@ -111,8 +123,9 @@ def device_info(device: int | torch.device | None = None) -> dict:
     """
     index = cuda_index(cuda_device(device, "device_info"), "device_info")
     # The binding reports strings; integers come back as ints so callers can compare capabilities.
-    return {key: int(value) if isinstance(value, str) and value.isdigit() else value
-            for key, value in load().device_info(index).items()}
+    with on_device(index):
+        facts = load().device_info(index)
+    return {key: int(value) if isinstance(value, str) and value.isdigit() else value for key, value in facts.items()}
 
 
 # The raw cudaStream_t of a device's current stream: torch's private accessor returns the integer directly

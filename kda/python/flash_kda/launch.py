@@ -104,94 +104,97 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                 checkpoint_every)  # fmt: skip
         return None
 
-    C = _ext.load()
     index = q.device.index  # a CUDA tensor's device always has an index
-    stream = _ext.current_stream(index)
-    gate_code = GATE_CODES[gate]
-    plan, kernel_bytes = plan_for(B, planned_T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
-    if cu_on_host or indices_on_host or accepted_on_host:
-        cu_offset, indices_offset, accepted_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host,
-                                                                         indices_on_host, accepted_on_host,
-                                                                         state_tokens)
-    else:
-        nbytes = kernel_bytes
-    if workspace is None:
-        # A call that needs no bytes (the decode kernel) takes none: no cache lookup, and a CUDA graph may capture
-        # it on any stream without reserve_workspace.
-        workspace = (_NO_WORKSPACE if nbytes == 0 else _cached_workspace(index, stream, nbytes) if cached_workspace
-                     else torch.empty(nbytes, dtype=torch.uint8, device=q.device))
-    elif workspace.numel() < nbytes:
-        raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
-    if cu_on_host:
-        # Behind the kernel's bytes, from a private pageable copy of what was validated above: CUDA stages a
-        # pageable source before the asynchronous copy returns, so the caller may change its buffer (pinned or
-        # not) as soon as fwd returns. No device allocation, no synchronisation.
-        staged = torch.empty(N + 1, dtype=torch.int64)
-        staged.copy_(cu_seqlens)
-        device_cu = workspace[cu_offset : cu_offset + 8 * (N + 1)].view(torch.int64)
-        device_cu.copy_(staged, non_blocking=True)
-        cu_seqlens = device_cu
-    if indices_on_host:
-        # Likewise, after the cu_seqlens copy (if any): a private pageable int64 copy of the validated indices
-        # (N of them, or N·L per-token slots, row-major).
-        count = N * state_tokens if state_tokens else N
-        staged = torch.empty(count, dtype=torch.int64)
-        staged.copy_(state_indices.view(count))
-        device_indices = workspace[indices_offset : indices_offset + 8 * count].view(torch.int64)
-        device_indices.copy_(staged, non_blocking=True)
-        state_indices = device_indices
-    if accepted_on_host:
-        # Likewise, after the state_indices copy (if any): the validated counts as int64.
-        staged = torch.empty(N, dtype=torch.int64)
-        staged.copy_(num_accepted_tokens)
-        device_accepted = workspace[accepted_offset : accepted_offset + 8 * N].view(torch.int64)
-        device_accepted.copy_(staged, non_blocking=True)
-        num_accepted_tokens = device_accepted
+    # On q's device (usually current already): the capture check and the cached workspace then see that device's
+    # current stream, and the thread's device is restored as torch restores it (_ext.on_device).
+    with _ext.on_device(index):
+        C = _ext.load()
+        stream = _ext.current_stream(index)
+        gate_code = GATE_CODES[gate]
+        plan, kernel_bytes = plan_for(B, planned_T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
+        if cu_on_host or indices_on_host or accepted_on_host:
+            cu_offset, indices_offset, accepted_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host,
+                                                                             indices_on_host, accepted_on_host,
+                                                                             state_tokens)
+        else:
+            nbytes = kernel_bytes
+        if workspace is None:
+            # A call that needs no bytes (the decode kernel) takes none: no cache lookup, and a CUDA graph may capture
+            # it on any stream without reserve_workspace.
+            workspace = (_NO_WORKSPACE if nbytes == 0 else _cached_workspace(index, stream, nbytes) if cached_workspace
+                         else torch.empty(nbytes, dtype=torch.uint8, device=q.device))
+        elif workspace.numel() < nbytes:
+            raise ValueError(f"workspace must hold at least {nbytes} bytes for this call, got {workspace.numel()=}")
+        if cu_on_host:
+            # Behind the kernel's bytes, from a private pageable copy of what was validated above: CUDA stages a
+            # pageable source before the asynchronous copy returns, so the caller may change its buffer (pinned or
+            # not) as soon as fwd returns. No device allocation, no synchronisation.
+            staged = torch.empty(N + 1, dtype=torch.int64)
+            staged.copy_(cu_seqlens)
+            device_cu = workspace[cu_offset : cu_offset + 8 * (N + 1)].view(torch.int64)
+            device_cu.copy_(staged, non_blocking=True)
+            cu_seqlens = device_cu
+        if indices_on_host:
+            # Likewise, after the cu_seqlens copy (if any): a private pageable int64 copy of the validated indices
+            # (N of them, or N·L per-token slots, row-major).
+            count = N * state_tokens if state_tokens else N
+            staged = torch.empty(count, dtype=torch.int64)
+            staged.copy_(state_indices.view(count))
+            device_indices = workspace[indices_offset : indices_offset + 8 * count].view(torch.int64)
+            device_indices.copy_(staged, non_blocking=True)
+            state_indices = device_indices
+        if accepted_on_host:
+            # Likewise, after the state_indices copy (if any): the validated counts as int64.
+            staged = torch.empty(N, dtype=torch.int64)
+            staged.copy_(num_accepted_tokens)
+            device_accepted = workspace[accepted_offset : accepted_offset + 8 * N].view(torch.int64)
+            device_accepted.copy_(staged, non_blocking=True)
+            num_accepted_tokens = device_accepted
 
-    # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens, to the
-    # first sequence whose CUDA state index is past the pool, or whose CUDA num_accepted_tokens is outside [1, L]
-    # (host copies were validated above: no device check).
-    indices_on_device = state_indices is not None and not indices_on_host
-    accepted_on_device = num_accepted_tokens is not None and not accepted_on_host
-    # (checkpoint_indices of a CUDA call are on the device: validate)
-    status = (_status_word(index)
-              if (cu_seqlens is not None and not cu_on_host) or indices_on_device or accepted_on_device
-              or checkpoint_indices is not None else None)
-    if indices_on_device or checkpoint_indices is not None:
-        _note_pool_slots(index, P)
-    if state_tokens and (indices_on_device or accepted_on_device):
-        _per_token_devices.add(index)
-    # The extension makes q's device current for the launches itself (a torch.cuda.device context costs more
-    # host time than the launches). Its argument is four groups (kda/csrc/binding.cpp): tensors with their dtype
-    # codes, shape with the scalars, the plan, and where to launch. (Pointers read inline, 0 for None: a helper
-    # function's call per tensor is host time too.) Shape: (B, T, N, value heads, scale, lower_bound (0.0 for the
-    # softplus gate, which does not use it), P, key heads, gate code, β's scale (2 allows negative eigenvalues),
-    # state_tokens: L of per-token state_indices [N, L], 0 otherwise; the checkpoints' M and C / 16, or 0, 0).
-    C.fwd(
-        (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-         0 if A_log is None else A_log.data_ptr(), 0 if A_log is None else PARAM_TYPES[A_log.dtype],
-         0 if dt_bias is None else dt_bias.data_ptr(), 0 if dt_bias is None else PARAM_TYPES[dt_bias.dtype],
-         out.data_ptr(),
-         0 if initial_state is None else initial_state.data_ptr(),
-         initial_state is not None and initial_state.dtype == torch.float32,
-         0 if final_state is None else final_state.data_ptr(),
-         final_state is not None and final_state.dtype == torch.float32,
-         0 if cu_seqlens is None else cu_seqlens.data_ptr(),
-         cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
-         0 if state_indices is None else state_indices.data_ptr(),
-         state_indices is not None and state_indices.dtype == torch.int64,
-         0 if num_accepted_tokens is None else num_accepted_tokens.data_ptr(),
-         num_accepted_tokens is not None and num_accepted_tokens.dtype == torch.int64,
-         0 if checkpoint_indices is None else checkpoint_indices.data_ptr(),
-         checkpoint_indices is not None and checkpoint_indices.dtype == torch.int64),
-        (B, T, N, H, float(scale), 0.0 if gate_code else float(lower_bound), P, key_heads, gate_code,
-         2.0 if allow_neg_eigval else 1.0, state_tokens,
-         0 if checkpoint_indices is None else checkpoint_indices.shape[1],
-         0 if checkpoint_indices is None else min(int(checkpoint_every) // C.CHUNK, _MAX_CHECKPOINT_CHUNKS)),
-        plan,
-        (workspace.data_ptr(), workspace.numel(), 0 if status is None else status, stream, index),
-    )  # fmt: skip
-    return None
+        # The device's error word: the kernels lower it to the first malformed boundary of a CUDA cu_seqlens, to the
+        # first sequence whose CUDA state index is past the pool, or whose CUDA num_accepted_tokens is outside [1, L]
+        # (host copies were validated above: no device check).
+        indices_on_device = state_indices is not None and not indices_on_host
+        accepted_on_device = num_accepted_tokens is not None and not accepted_on_host
+        # (checkpoint_indices of a CUDA call are on the device: validate)
+        status = (_status_word(index)
+                  if (cu_seqlens is not None and not cu_on_host) or indices_on_device or accepted_on_device
+                  or checkpoint_indices is not None else None)
+        if indices_on_device or checkpoint_indices is not None:
+            _note_pool_slots(index, P)
+        if state_tokens and (indices_on_device or accepted_on_device):
+            _per_token_devices.add(index)
+        # The extension makes q's device current for the launches (a no-op here: it is current). Its argument is
+        # four groups (kda/csrc/binding.cpp): tensors with their dtype codes, shape with the scalars, the plan, and
+        # where to launch. (Pointers read inline, 0 for None: a helper
+        # function's call per tensor is host time too.) Shape: (B, T, N, value heads, scale, lower_bound (0.0 for the
+        # softplus gate, which does not use it), P, key heads, gate code, β's scale (2 allows negative eigenvalues),
+        # state_tokens: L of per-token state_indices [N, L], 0 otherwise; the checkpoints' M and C / 16, or 0, 0).
+        C.fwd(
+            (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+             0 if A_log is None else A_log.data_ptr(), 0 if A_log is None else PARAM_TYPES[A_log.dtype],
+             0 if dt_bias is None else dt_bias.data_ptr(), 0 if dt_bias is None else PARAM_TYPES[dt_bias.dtype],
+             out.data_ptr(),
+             0 if initial_state is None else initial_state.data_ptr(),
+             initial_state is not None and initial_state.dtype == torch.float32,
+             0 if final_state is None else final_state.data_ptr(),
+             final_state is not None and final_state.dtype == torch.float32,
+             0 if cu_seqlens is None else cu_seqlens.data_ptr(),
+             cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
+             0 if state_indices is None else state_indices.data_ptr(),
+             state_indices is not None and state_indices.dtype == torch.int64,
+             0 if num_accepted_tokens is None else num_accepted_tokens.data_ptr(),
+             num_accepted_tokens is not None and num_accepted_tokens.dtype == torch.int64,
+             0 if checkpoint_indices is None else checkpoint_indices.data_ptr(),
+             checkpoint_indices is not None and checkpoint_indices.dtype == torch.int64),
+            (B, T, N, H, float(scale), 0.0 if gate_code else float(lower_bound), P, key_heads, gate_code,
+             2.0 if allow_neg_eigval else 1.0, state_tokens,
+             0 if checkpoint_indices is None else checkpoint_indices.shape[1],
+             0 if checkpoint_indices is None else min(int(checkpoint_every) // C.CHUNK, _MAX_CHECKPOINT_CHUNKS)),
+            plan,
+            (workspace.data_ptr(), workspace.numel(), 0 if status is None else status, stream, index),
+        )  # fmt: skip
+        return None
 
 
 
@@ -387,7 +390,7 @@ def last_error(device: torch.device | str | int | None = None) -> str | None:
     if word is None:
         return None
     C = _ext.load()
-    with _status_take_lock:  # (queries from two threads would share the word's one read-back slot)
+    with _status_take_lock, _ext.on_device(index):  # (two threads' queries would share the word's read-back slot)
         first_bad = int(C.status_word_take(word, index))
         sizes = sorted(_pool_sizes.pop(index, ()))
         per_token = index in _per_token_devices
@@ -492,8 +495,9 @@ def reserve_workspace(nbytes: int, device: torch.device | str | int | None = Non
     if nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes=}")
     index = _ext.cuda_index(_ext.cuda_device(device, "reserve_workspace"), "reserve_workspace")
-    _status_word(index)  # the error word too, so that capture allocates nothing
-    return _cached_workspace(index, _ext.current_stream(index), int(nbytes))
+    with _ext.on_device(index):  # (as fwd runs: the capture checks see that device's current stream)
+        _status_word(index)  # the error word too, so that capture allocates nothing
+        return _cached_workspace(index, _ext.current_stream(index), int(nbytes))
 
 
 def release_workspace(device: torch.device | str | int | None = None) -> None:
