@@ -51,6 +51,11 @@ def _bf16_operands() -> numerics.Arithmetic:
                                operand=lambda t: t.to(torch.bfloat16), matmul=matmul)
 
 
+def _fp64_arithmetic() -> numerics.Arithmetic:
+    return numerics.Arithmetic(exp2=torch.exp2, softplus2=numerics._softplus2, sigmoid=torch.sigmoid,
+                               operand=lambda t: t, matmul=lambda a, b, c=None: a @ b)
+
+
 CASES = {
     "mild": dict(T=200, g_scale=1.0, a_log_max=0.5),
     "g ±50, A_log ≤ ln 16": dict(T=200, g_scale=25.0, a_log_max=math.log(16)),
@@ -100,17 +105,10 @@ def test_anchored_products_equal_the_factorised_ones_where_both_are_finite():
                                 "softplus")
     cum = gamma[0].cumsum(0).transpose(0, 1).double()  # [H, 16, K]
     k_hat = x["k"][0].double().transpose(0, 1)
-    a, _ = numerics._anchored_products(k_hat, k_hat, cum, numerics.Arithmetic(
-        exp2=torch.exp2, softplus2=numerics._softplus2, sigmoid=torch.sigmoid, operand=lambda t: t,
-        matmul=lambda a, b, c=None: a @ b))
+    a, _ = numerics._anchored_products(k_hat, k_hat, cum, _fp64_arithmetic())
     factorised = (k_hat * torch.exp2(cum)) @ (k_hat * torch.exp2(-cum)).transpose(-1, -2)
     strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
     assert torch.allclose(a.double()[..., strict], factorised[..., strict], rtol=1e-5, atol=1e-5)
-
-
-def _fp64_arithmetic() -> numerics.Arithmetic:
-    return numerics.Arithmetic(exp2=torch.exp2, softplus2=numerics._softplus2, sigmoid=torch.sigmoid,
-                               operand=lambda t: t, matmul=lambda a, b, c=None: a @ b)
 
 
 def _first_chunk(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

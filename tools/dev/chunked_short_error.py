@@ -55,12 +55,9 @@ def halves_share(case: matrix.Case) -> str:
     x = matrix.make_inputs(case, "cpu")
     layout = numerics.chunk_layout(x["cu_seqlens"], x["v"].shape[0], x["v"].shape[1], "cpu")
     g = numerics._gather_chunks(x["g"], layout).float()  # [C, H, 16, K]
-    gamma = numerics._gate_log2(g.transpose(-2, -3), x["A_log"], x["dt_bias"], x["lower_bound"],
-                                numerics.fp32_arithmetic(), "softplus").transpose(-2, -3)
-    cum = torch.where(layout.valid[:, None, :, None], gamma, torch.zeros_like(gamma)).cumsum(-2)
-    g7, total = cum[..., 7, :], cum[..., 15, :]
-    span = numerics.HALF_DECAY_SPAN
-    taken = ((g7 >= -span) & (total - g7 >= -span)).all(-1)
+    cum = numerics._running_decay(g, layout.valid[:, None, :], x["A_log"], x["dt_bias"], x["lower_bound"],
+                                  numerics.fp32_arithmetic(), "softplus")
+    taken = numerics._halves_fit(cum)
     return f"{int(taken.sum())}/{taken.numel()}"
 
 

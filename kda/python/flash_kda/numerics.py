@@ -287,12 +287,17 @@ def _halves_products(k_hat: torch.Tensor, q_scaled: torch.Tensor, cum: torch.Ten
     return a, m
 
 
-def _softplus_products(k_hat: torch.Tensor, q_scaled: torch.Tensor, cum: torch.Tensor, ar: Arithmetic):
-    """The softplus gate's A and Mqk: the halves path for a chunk and head whose two halves each decay by at most
-    HALF_DECAY_SPAN in every channel (cum_7 and cum_15 − cum_7 at or above its negative), the anchored path
-    otherwise (the kernel's warp votes once per chunk and head)."""
+def _halves_fit(cum: torch.Tensor) -> torch.Tensor:
+    """Whether each chunk and head of the running decays ``cum`` [.., 16, K] takes the softplus gate's halves path
+    (bool [..]): both halves decay by at most HALF_DECAY_SPAN in every channel (cum_7 and cum_15 − cum_7 at or
+    above its negative; the kernel's warp votes once per chunk and head)."""
     g7, total = cum[..., 7, :], cum[..., 15, :]
-    halves = ((g7 >= -HALF_DECAY_SPAN) & (total - g7 >= -HALF_DECAY_SPAN)).all(-1)[..., None, None]
+    return ((g7 >= -HALF_DECAY_SPAN) & (total - g7 >= -HALF_DECAY_SPAN)).all(-1)
+
+
+def _softplus_products(k_hat: torch.Tensor, q_scaled: torch.Tensor, cum: torch.Tensor, ar: Arithmetic):
+    """The softplus gate's A and Mqk: the halves path where ``_halves_fit``, the anchored path otherwise."""
+    halves = _halves_fit(cum)[..., None, None]
     a_halves, m_halves = _halves_products(k_hat, q_scaled, cum, ar)
     a_anchored, m_anchored = _anchored_products(k_hat, q_scaled, cum, ar)
     return torch.where(halves, a_halves, a_anchored), torch.where(halves, m_halves, m_anchored)
@@ -348,6 +353,20 @@ def _gather_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return chunks.transpose(1, 2)
 
 
+def _running_decay(g_chunks: torch.Tensor, valid: torch.Tensor, A_log, dt_bias, lower_bound, ar: Arithmetic,
+                   gate_kind: str) -> torch.Tensor:
+    """G [C, H, 16, K]: the gates' log₂ decays of fp32 chunk rows g_chunks [C, H, 16, K] summed row by row in
+    order (prepare_chunk.cuh's phase 1); rows where ``valid`` [C, 1, 16] is False add 0."""
+    gate = _gate_log2(g_chunks.transpose(-2, -3), A_log, dt_bias, lower_bound, ar, gate_kind).transpose(-2, -3)
+    gamma = torch.where(valid[..., None], gate, torch.zeros_like(gate))
+    cum = torch.empty_like(gamma)
+    acc = torch.zeros_like(gamma[..., 0, :])
+    for r in range(CHUNK):
+        acc = acc + gamma[..., r, :]
+        cum[..., r, :] = acc
+    return cum
+
+
 def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: ChunkLayout, ar: Arithmetic,
              gate_kind: str = "lower_bound", beta_scale: float = 1.0):
     """Everything that does not touch the state, for all chunks and heads at once (prepare_chunk.cuh)."""
@@ -359,15 +378,8 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     vc = _gather_chunks(v, layout)  # bf16 [C, H, 16, V]
     bf = _gather_chunks(beta, layout).float()  # [C, H, 16]
 
-    gate = _gate_log2(gf.transpose(-2, -3), A_log, dt_bias, lower_bound, ar, gate_kind).transpose(-2, -3)
-    gamma = torch.where(valid[..., None], gate, torch.zeros_like(gate))
+    cum = _running_decay(gf, valid, A_log, dt_bias, lower_bound, ar, gate_kind)
     beta_act = torch.where(valid, _beta(bf, ar, beta_scale), torch.zeros_like(bf))
-
-    cum = torch.empty_like(gamma)
-    acc = torch.zeros_like(gamma[..., 0, :])
-    for r in range(CHUNK):
-        acc = acc + gamma[..., r, :]
-        cum[..., r, :] = acc
     total = cum[..., CHUNK - 1, :]  # Γ [C, H, K]
 
     k_hat = kf * _inv_norm(kf)[..., None]
