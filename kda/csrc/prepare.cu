@@ -124,6 +124,8 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
     constexpr int kPrepWarps = PrepShape<kGate>::kWarps;
     const int64_t blocks = (items + kPrepWarps - 1) / kPrepWarps;
     constexpr int kSmemBytes = kPrepWarps * static_cast<int>(sizeof(PrepScratch<kGate>));
+    // An SM's 228 KB hold its CTAs' scratch and 1 KB reserved per CTA, else fewer CTAs fit than launch_bounds says.
+    static_assert(PrepShape<kGate>::kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "the CTAs per SM fit");
     if (p.lead_chunks >= 0) {
       opt_in_dynamic_smem<kda_prepare_kernel<true, kGate>>(kSmemBytes);
       kda_prepare_kernel<true, kGate><<<static_cast<unsigned>(blocks), kPrepWarps * 32, kSmemBytes, stream>>>(p);

@@ -252,12 +252,14 @@ __device__ __forceinline__ void anchored_late_rows(const AnchoredRows& a, int ch
 // Where both halves of a chunk (rows 0..7 and 8..15) decay by at most 2^−kHalfDecaySpan in every channel, the
 // warp forms A and Mqk as the lower-bound gate's one product plus one across the halves, without pair sums:
 //   inside half h the coefficient 2^(G_i − G_j) splits at the half's mid-decay m_h (m_0 = G_7 / 2,
-//   m_1 = (G_7 + G_15) / 2): Lk, Lq row i = (k̂_i or q̃_i)·2^(G_i − m), R row j = k̂_j·2^(m − G_j) in the kd, qd
+//   m_1 = (G_7 + G_15) / 2): Lk, Lq row i = (k̂_i or q̂_i)·2^(G_i − m), R row j = k̂_j·2^(m − G_j) in the kd, qd
 //   and ki tiles; every exponent lies within half the half's decay, so no operand passes 2^116 (the lower-bound
 //   gate's own range). Of that 16 × 16 product the two diagonal 8 × 8 blocks are kept;
 //   across the halves it splits at row 7 (both exponents ≤ 0): cross_l rows 0..7 = k̂_i·2^(G_i − G_7), rows 8..15
-//   = q̃_i·2^(G_i − G_7) (i = 8..15), cross_r row j = k̂_j·2^(G_7 − G_j) (j = 0..7); one 16 × 8 product whose
+//   = q̂_i·2^(G_i − G_7) (i = 8..15), cross_r row j = k̂_j·2^(G_7 − G_j) (j = 0..7); one 16 × 8 product whose
 //   rows 0..7 are A's block (rows 8..15, columns 0..7) and rows 8..15 Mqk's.
+// The queries enter unscaled (q̂, a unit vector) and Mqk's accumulators are multiplied by the scale afterwards:
+// q̃ = scale·q̂ times 2^116 would overflow for |scale| ≥ 2^11, and for a tiny scale fall below bf16's normal range.
 // Entries above the diagonal may overflow (2^(G_i − G_j) ≥ 1 there) and are never read: the substitution reads
 // β·A below it, Mqk is masked by a select.
 constexpr float kHalfDecaySpan = 232.0f;
@@ -276,8 +278,8 @@ __device__ __forceinline__ bool halves_fit(const float (&cum)[kChunk][kChannelsP
   return fit;
 }
 
-// Row r's operand rows of the halves path (kh = k̂, qt = q̃), once every lane has read the raw row r.
-__device__ __forceinline__ void halves_row(int r, const float (&kh)[4], const float (&qt)[4],
+// Row r's operand rows of the halves path (kh = k̂, qh = q̂), once every lane has read the raw row r.
+__device__ __forceinline__ void halves_row(int r, const float (&kh)[4], const float (&qh)[4],
                                            const float (&cum)[kChunk][kChannelsPerLane], const float (&mid)[4],
                                            int ch0, __nv_bfloat16* lk, __nv_bfloat16* lq, __nv_bfloat16* rt,
                                            __nv_bfloat16* cross_l, __nv_bfloat16* cross_r) {
@@ -289,13 +291,13 @@ __device__ __forceinline__ void halves_row(int r, const float (&kh)[4], const fl
   }
   const int at = swizzle_wide(r, ch0);
   *reinterpret_cast<uint2*>(lk + at) = pack4_scaled(kh, to);
-  *reinterpret_cast<uint2*>(lq + at) = pack4_scaled(qt, to);
+  *reinterpret_cast<uint2*>(lq + at) = pack4_scaled(qh, to);
   *reinterpret_cast<uint2*>(rt + at) = pack4_scaled(kh, from);
   float f[4];
   if (r >= kChunk / 2) {
     anchor_factors(cum[r], cum[kChunk / 2 - 1], f);
     *reinterpret_cast<uint2*>(cross_l + swizzle_wide(r - kChunk / 2, ch0)) = pack4_scaled(kh, f);
-    *reinterpret_cast<uint2*>(cross_l + swizzle_wide(r, ch0)) = pack4_scaled(qt, f);
+    *reinterpret_cast<uint2*>(cross_l + swizzle_wide(r, ch0)) = pack4_scaled(qh, f);
   } else {
     anchor_factors(cum[kChunk / 2 - 1], cum[r], f);
     *reinterpret_cast<uint2*>(cross_r + swizzle_wide(r, ch0)) = pack4_scaled(kh, f);
@@ -303,9 +305,11 @@ __device__ __forceinline__ void halves_row(int r, const float (&kh)[4], const fl
 }
 
 // The product across the halves (cross_l · cross_rᵀ, k-steps in order) into the accumulators of the halves' own
-// product, where its block lies (rows 8..15, columns 0..7: n-tile 0, accumulators 2 and 3).
+// product, where its block lies (rows 8..15, columns 0..7: n-tile 0, accumulators 2 and 3); then Mqk's
+// accumulators times the scale.
 __device__ __forceinline__ void halves_cross_product(const __nv_bfloat16* cross_l, const __nv_bfloat16* cross_r,
-                                                     float (&a_acc)[2][4], float (&m_acc)[2][4], int lane) {
+                                                     float scale, float (&a_acc)[2][4], float (&m_acc)[2][4],
+                                                     int lane) {
   float x_acc[4] = {0.f, 0.f, 0.f, 0.f};
   // B fragments of cross_r's 8 rows: every lane points at rows 0..7 (lanes 16..31 repeat lanes 0..15's rows), so
   // the x4 load stays inside the tile; registers 0 and 1 hold the n-tile.
@@ -322,6 +326,11 @@ __device__ __forceinline__ void halves_cross_product(const __nv_bfloat16* cross_
   a_acc[0][3] = x_acc[1];
   m_acc[0][2] = x_acc[2];
   m_acc[0][3] = x_acc[3];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m_acc[nt][e] = __fmul_rn(m_acc[nt][e], scale);
+  }
 }
 
 // The softplus gate's A and Mqk from the product of Lk / Lq with Rᵀ (accumulators as in phase 3) and the block
@@ -536,11 +545,12 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     unpack4(*reinterpret_cast<const uint2*>(raw_k(r)), kf);
     const float inv_norm_q = __shfl_sync(0xffffffffu, my_inv_norm, r);
     const float inv_norm_k = __shfl_sync(0xffffffffu, my_inv_norm, kChunk + r);
-    float kd[4], qd[4], ki[4], kh[4], qt[4];
+    float kd[4], qd[4], ki[4], kh[4], qh[4], qt[4];
 #pragma unroll
     for (int c = 0; c < kChannelsPerLane; ++c) {
       kh[c] = __fmul_rn(kf[c], inv_norm_k);
-      qt[c] = __fmul_rn(__fmul_rn(qf[c], inv_norm_q), p.scale);
+      qh[c] = __fmul_rn(qf[c], inv_norm_q);
+      qt[c] = __fmul_rn(qh[c], p.scale);
       const float decay = ex2_approx(cum[r][c]);
       kd[c] = __fmul_rn(kh[c], decay);
       qd[c] = __fmul_rn(qt[c], decay);
@@ -555,7 +565,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     *reinterpret_cast<uint2*>(rec_kq + record_kq(1, r, ch0)) = qd_bits;
     if constexpr (softplus) {
       if (halves) {
-        halves_row(r, kh, qt, cum, r < kChunk / 2 ? mid0 : mid1, ch0, tile_kd, tile_qd, tile_ki, tile_cross_l,
+        halves_row(r, kh, qh, cum, r < kChunk / 2 ? mid0 : mid1, ch0, tile_kd, tile_qd, tile_ki, tile_cross_l,
                    tile_cross_r);
       } else {
         anchored_row(r, kh, qt, cum, ch0, lane, tile_kd, tile_qd, tile_ki, anchored);
@@ -620,7 +630,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       }
     }
     if constexpr (softplus) {
-      if (halves) halves_cross_product(tile_cross_l, tile_cross_r, a_acc, m_acc, lane);
+      if (halves) halves_cross_product(tile_cross_l, tile_cross_r, p.scale, a_acc, m_acc, lane);
     }
     __syncwarp();  // every lane's fragments of the tile are read before β·A overwrites it
     if constexpr (softplus) {

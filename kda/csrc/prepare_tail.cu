@@ -71,6 +71,7 @@ void launch_prepare_tail(const FwdParams& p, cudaStream_t stream) {
   with_gate(p.gate, [&](auto gate) {
     constexpr GateKind kGate = decltype(gate)::value;
     constexpr int kSmemBytes = kTailWarps * static_cast<int>(sizeof(PrepScratch<kGate>));
+    static_assert(kSmemBytes <= 227 * 1024, "a CTA's dynamic shared memory");
     constexpr auto kKernel = kda_prepare_tail_kernel<kGate>;
     opt_in_dynamic_smem<kKernel>(kSmemBytes);
     const dim3 grid(static_cast<unsigned>(p.tail_ctas)), block(kTailWarps * 32);

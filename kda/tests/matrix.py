@@ -35,7 +35,7 @@ Slices (each is one sharded, tagged Bazel py_test; ``--kda-slice`` selects them 
   ln 16 and g + dt_bias spanning ±50 (SOFTPLUS_RECIPES): every state configuration, short and long fixed lengths
   (H 1 to 96), varlen, batched, decode lengths (T ≤ 16), a per-token log decay of -960 (the state is erased at
   every token: no NaN or inf, and the result of a zero initial state), A_log or dt_bias None, bf16 / fp16 gate
-  parameters, mixed state dtypes, pools.
+  parameters, mixed state dtypes, pools, scales of 2^100 and 2^-30.
 - ``neg_eigval``: ``allow_neg_eigval=True`` (β = 2·sigmoid(beta), eigenvalues of the transition in (-1, 1)) under
   both gates: every state configuration, fixed, varlen, batched and decode lengths, beta logits at ±10 (β ≈ 2:
   reflections), near-collinear keys, pools.
@@ -201,6 +201,7 @@ class Case:
     negative_entries: bool = False  # a fifth of the per-token or checkpoint entries that are written set to -1
     # varlen: this many padding tokens after the last sequence (cu_seqlens[-1] < T, as CUDA-graph batches pad them)
     tail_tokens: int = 0
+    log2_scale: float | None = None  # scale = 2^log2_scale; None: K^-0.5
     seed: int = -1  # -1: derived from the id
 
     def __post_init__(self) -> None:
@@ -292,6 +293,8 @@ class Case:
             extras.append(self.inputs)
         if self.lower_bound != -5.0:
             extras.append(f"lb={self.lower_bound:g}")
+        if self.log2_scale is not None:
+            extras.append(f"scale=2^{self.log2_scale:g}")
         if self.cu_seqlens_int32:
             extras.append("cu=int32")
         if self.inplace_state:
@@ -655,6 +658,10 @@ def _gate_softplus() -> list[Case]:
     # e^A_log past fp32's range meeting gate inputs of 0 (softplus: heads that erase the state and heads that never
     # decay).
     cases.append(Case("gate_softplus", H=4, T=97, inputs="A_log=±100", **softplus))
+    # Scales far from K^-0.5 (fwd takes any finite one): the halves path's queries enter its products unscaled, as
+    # q̃ · 2^116 would overflow for |scale| ≥ 2^11 and lose its far rows below bf16's normal range for a tiny one.
+    cases.append(Case("gate_softplus", H=4, T=97, log2_scale=100, **softplus))
+    cases.append(Case("gate_softplus", H=4, seqlens=(17, 33, 65), log2_scale=-30, state_dtype="fp32", **softplus))
     # A log decay of -960 per token: exp underflows to 0, the state is erased at every token (test_matrix.py checks
     # that the result is finite and equals the result from a zero initial state).
     erased = dict(inputs="decay=-960", **softplus)
@@ -1004,7 +1011,8 @@ def make_inputs(case: Case, device) -> dict:
     # The softplus gate ignores lower_bound: None, unless a case gives one (a number is accepted and ignored).
     lower_bound = None if case.gate == "softplus" and case.lower_bound == -5.0 else case.lower_bound
     return dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=D**-0.5, out=torch.full_like(v, float("nan")),
+        q=q, k=k, v=v, g=g, beta=beta, scale=D**-0.5 if case.log2_scale is None else 2.0**case.log2_scale,
+        out=torch.full_like(v, float("nan")),
         A_log=A_log if case.has_A_log else None, dt_bias=dt_bias if case.has_dt_bias else None,
         lower_bound=lower_bound, initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
         state_indices=state_indices, gate=case.gate, allow_neg_eigval=case.neg_eigval,
