@@ -520,10 +520,14 @@ def _decode() -> list[Case]:
         cases.append(Case("decode", H=32, B=8, T=1, inplace_state=True, state_dtype=dt))
         cases.append(Case("decode", H=4, seqlens=(3, 0, 16, 1), inplace_state=True, state_dtype=dt))
         cases.append(Case("decode", H=4, seqlens=(1, 2, 3, 5, 8, 15), cu_seqlens_int32=True, state_dtype=dt))
-        # Many more (sequence, head) items than persistent CTAs: each CTA walks dozens of items of 0 to 7 tokens.
+        # Many more (sequence, head) items than persistent CTAs: each CTA walks dozens of items of 0 to 7 tokens
+        # (the stream pass with a bf16 state, the token kernel with fp32).
         cases.append(Case("decode", H=16, seqlens=DECODE_MANY_SEQLENS, inplace_state=True, state_dtype=dt))
         # A decode batch padded to a CUDA graph's size: empty sequences and padding tokens past cu_seqlens[-1].
         cases.append(Case("decode", H=4, seqlens=(1, 0, 1, 1, 0), tail_tokens=2, inplace_state=True, state_dtype=dt))
+    # The warp-specialised token kernel over dozens of items per CTA (the softplus gate keeps it on such calls).
+    cases.append(Case("decode", H=16, seqlens=DECODE_MANY_SEQLENS, inplace_state=True, state_dtype="bf16",
+                      gate="softplus"))
     for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
         for params in ("fp32", "bf16", "fp16"):
             cases.append(Case("decode", H=4, T=5, state_dtype=init, final_dtype=final, param_dtype=params))
@@ -531,12 +535,17 @@ def _decode() -> list[Case]:
 
 
 def _stream_pass_cases() -> list[Case]:
-    """The stream pass's calls (kda_plan.h, stream_pass_runs: 16 tokens per sequence, no fp32 final state, at least
-    one (sequence, head) item per SM), B8 T16 H32 (256 items): a bf16 pool in place with a padding row, dense states
-    of every kind it takes (a bf16 final state or none, a bf16 or fp32 initial state or none), the slow-decay
-    product, the softplus gate with grouped value heads and negative eigenvalues; and an fp32 final state, which
-    stays on the chunk step."""
+    """The stream pass's calls (kda_plan.h, stream_pass_runs: no per-token states, checkpoints or fp32 final state,
+    at least one (sequence, head) item per SM; 16 tokens per sequence, or with the lower-bound gate 2 to 16 on
+    average). B8 T16 H32 (256 items): a bf16 pool in place with a padding row, dense states of every kind it takes
+    (a bf16 final state or none, a bf16 or fp32 initial state or none), the slow-decay product, the softplus gate
+    with grouped value heads and negative eigenvalues; and an fp32 final state, which stays on the chunk step.
+    Shorter sequences (the lower-bound gate): varlen batches of 4 tokens each and of mixed lengths with empty and
+    one-token sequences, a 100-token sequence hidden among one-token ones (7 chunks of one item), padding tokens
+    past the last sequence, a fixed-length T4 batch; the softplus gate's varlen batch, which stays on the token
+    kernel."""
     shape = dict(H=32, B=8, T=16)
+    fours, mixed = dict(H=32, seqlens=(4,) * 8), dict(H=32, seqlens=(1, 2, 3, 5, 8, 15, 4, 2, 16, 0))
     return [
         Case("decode", **shape, state_dtype="bf16", inplace_state=True, pool=12, padding=1),
         Case("decode", **shape, state_dtype="bf16"),
@@ -548,6 +557,13 @@ def _stream_pass_cases() -> list[Case]:
         Case("decode", **shape, state_dtype="bf16", lower_bound=-1.0),
         Case("decode", **shape, state_dtype="bf16", gate="softplus", G=2, neg_eigval=True),
         Case("decode", **shape, state_dtype="fp32"),
+        Case("decode", **fours, state_dtype="bf16", inplace_state=True, pool=12, padding=1),
+        Case("decode", **fours, state_io="no_state", tail_tokens=3),
+        Case("decode", **mixed, state_dtype="bf16"),
+        Case("decode", **mixed, state_dtype="fp32", final_dtype="bf16", G=2, neg_eigval=True),
+        Case("decode", H=32, seqlens=(100,) + (1,) * 7, state_dtype="bf16", inplace_state=True, pool=8),
+        Case("decode", H=32, B=8, T=4, state_io="out_only", state_dtype="bf16", lower_bound=-1.0),
+        Case("decode", **fours, state_dtype="bf16", gate="softplus"),
     ]
 
 

@@ -5,7 +5,8 @@ sequences, both state dtypes, no state, int32 cu_seqlens) and, with forced plans
 products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1), the single pass (a
 sequence of more than one block of 8 chunks, empty ones, a partial chunk) and the overlap (lead and tail
 records, a partial chunk) and the decode kernel (one and 16 tokens, empty sequences, both state dtypes, in place,
-and forced over longer sequences) and the stream pass (a bf16 state prefetch with padding rows in a pool in place),
+and forced over longer sequences) and the stream pass (a bf16 state prefetch with padding rows in a pool in place;
+short varlen sequences),
 then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
 0, negative) under every plan kind that takes cu_seqlens (two stages, longest first, the single pass, the time
 split with and without a V split, the decode kernel), each naming its first bad index through
@@ -93,6 +94,10 @@ CHILD = textwrap.dedent(
          automatic),
         (matrix.Case("decode", H=2, B=80, T=16, state_dtype="fp32", final_dtype="bf16"), automatic),
         (matrix.Case("decode", H=4, G=2, B=40, T=16, gate="softplus", state_io="no_state"), automatic),
+        # Shorter sequences on the lower-bound gate's stream pass (2 to 16 tokens on average): empty and one-token
+        # sequences and a 40-token one (3 chunks of one item), padding rows in a pool in place.
+        (matrix.Case("decode", H=2, seqlens=(40,) + (1, 4, 0, 3) * 20, state_dtype="bf16", pool=90, padding=2,
+                     inplace_state=True), automatic),
         # The softplus gate with grouped value heads (two value heads per key head; four in the pool), negative
         # eigenvalues and A_log / dt_bias None among them, on every plan kind (the single pass with the lower-bound
         # gate); a log decay of -960 per token.
@@ -206,7 +211,7 @@ CHILD = textwrap.dedent(
     # The same under the stream pass (automatic for these shapes): its state prefetch two items ahead skips the
     # index past the pool and the padding row.
     from flash_kda import planning
-    assert planning.stream_pass_runs(False, 16, fp32_final=False, items=160,
+    assert planning.stream_pass_runs(False, 16, fp32_final=False, items=160, total_tokens=80 * 16, num_seqs=80,
                                      sm_count=planning.sm_count_of(torch.cuda.current_device()))
     for index_dtype in (torch.int64, torch.int32):
         case = matrix.Case("pool", H=2, B=80, T=16, state_dtype="bf16", pool=80, inplace_state=True)

@@ -1869,28 +1869,41 @@ def test_decode_chunk_step_choice():
 
 
 def test_stream_pass_choice():
-    """Under a decode plan the stream pass runs fixed-length calls of exactly 16 tokens per sequence without per-token
-    states, checkpoints or an fp32 final state, of at least one (sequence, head) item per SM (kda_plan.h,
-    stream_pass_runs); every other call keeps the decode kernels."""
+    """Under a decode plan the stream pass runs calls without per-token states, checkpoints or an fp32 final state,
+    of at least one (sequence, head) item per SM, whose sequences have exactly 16 tokens (fixed-length, either gate)
+    or, with the lower-bound gate, 2 to 16 tokens on average (kda_plan.h, stream_pass_runs); every other call keeps
+    the decode kernels."""
     from flash_kda import planning
 
-    def runs(varlen=False, seqlen=16, state_tokens=0, checkpoints=False, fp32_final=False, items=64 * 32, sms=132):
+    def runs(varlen=False, seqlen=16, state_tokens=0, checkpoints=False, fp32_final=False, items=64 * 32, sms=132,
+             total_tokens=None, num_seqs=64, gate="lower_bound"):
+        total = seqlen * num_seqs if total_tokens is None else total_tokens
         return planning.stream_pass_runs(varlen, seqlen, state_tokens, checkpoints, fp32_final=fp32_final,
-                                         items=items, sm_count=sms)
+                                         items=items, sm_count=sms, total_tokens=total, num_seqs=num_seqs, gate=gate)
 
     assert runs()
+    assert runs(gate="softplus")
     assert runs(items=132)
     assert not runs(items=131)
     assert not runs(items=32)  # one sequence of 32 heads: the decode slice's small cases stay on the chunk step
     assert not runs(fp32_final=True)
-    assert not runs(varlen=True)
-    assert not runs(seqlen=15)
-    assert not runs(seqlen=1)
     assert not runs(state_tokens=4)
     assert not runs(checkpoints=True)
     assert not runs(items=0, sms=0)
+    # Shorter sequences: the lower-bound gate only, from 2 tokens per sequence on average, fixed or varlen.
+    assert runs(seqlen=15) and runs(seqlen=2) and runs(seqlen=4, gate="lower_bound")
+    assert not runs(seqlen=1)
+    assert not runs(seqlen=4, gate="softplus")
+    assert runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 32)  # varlen 128 x 4
+    assert runs(varlen=True, seqlen=1024, total_tokens=1024, num_seqs=64)  # 16 on average
+    assert not runs(varlen=True, seqlen=1040, total_tokens=1040, num_seqs=64)  # more than 16 on average
+    assert not runs(varlen=True, seqlen=127, total_tokens=127, num_seqs=64)  # fewer than 2 on average
+    assert not runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 32, gate="softplus")
+    assert not runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128)
     with pytest.raises(ValueError, match="items"):
         runs(items=-1)
+    with pytest.raises(ValueError, match="gate"):
+        runs(gate="sigmoid")
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,8 @@ def estimate(case: matrix.Case, ar: numerics.Arithmetic) -> tuple[float, float |
     twin = matrix.twin_args(x)
     out, state = numerics.chunked_forward(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["A_log"], x["dt_bias"], x["lower_bound"],
-        twin.get("initial_state"), None, ar, 0, twin.get("gate_kind", "lower_bound"), twin.get("beta_scale", 1.0))
+        twin.get("initial_state"), x["cu_seqlens"], ar, 0, twin.get("gate_kind", "lower_bound"),
+        twin.get("beta_scale", 1.0))
     ref_out, ref_state = reference.reference_chunked(**twin)
     state_error = compare.compare(state.to(x["final_state"].dtype), ref_state).rel_l2 if case.has_final else None
     return compare.compare(out, ref_out).rel_l2, state_error
