@@ -9,7 +9,7 @@ and forced over longer sequences) and the stream pass (a bf16 state prefetch wit
 short varlen sequences),
 then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
 0, negative) under every plan kind that takes cu_seqlens (two stages, longest first, the single pass, the time
-split with and without a V split, the decode kernel), each naming its first bad index through
+split with and without a V split, the decode kernel, the stream pass), each naming its first bad index through
 ``flash_kda.last_error``, and a last boundary short of T (padding tokens: no error), then pooled states (padding rows, in place, every plan kind), the softplus gate
 with grouped value heads (negative eigenvalues, A_log or dt_bias None, pools; every plan kind) and a log decay of
 -960 per token, and a state index past the pool under two stages, the single pass, the time split, the overlap,
@@ -186,6 +186,28 @@ CHILD = textwrap.dedent(
             else:
                 assert message is not None and f"cu_seqlens[{first_bad}]" in message, (cu, plan_name, message)
             print("ran malformed", cu, plan_name, flush=True)
+    # The same on the stream pass (automatic: 100 sequences of 4 tokens on average, 200 items, a bf16 state).
+    from flash_kda import planning
+    stream_cu = list(range(0, 401, 4))
+    for change, first_bad in (((2, 1), 2), ((2, 5000), 2), ((0, 5), 0), ((1, -7), 1), ((100, 396), None)):
+        cu = list(stream_cu)
+        cu[change[0]] = change[1]
+        case = matrix.Case("decode", H=2, T=400, state_dtype="bf16")
+        x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
+        N = len(cu) - 1
+        x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64).cuda()
+        x["initial_state"] = x["initial_state"][:1].expand(N, -1, -1, -1).contiguous()
+        x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
+        assert planning.stream_pass_runs(True, 400, fp32_final=False, items=2 * N, total_tokens=400, num_seqs=N,
+                                         sm_count=planning.sm_count_of(torch.cuda.current_device()))
+        flash_kda.fwd(**matrix.fwd_args(x))
+        torch.cuda.synchronize()
+        message = flash_kda.last_error()
+        if first_bad is None:
+            assert message is None, (cu[:4], "stream_pass", message)
+        else:
+            assert message is not None and f"cu_seqlens[{first_bad}]" in message, (change, "stream_pass", message)
+        print("ran malformed", change, "stream_pass", flush=True)
 
     # A CUDA state index past the pool (P = 3) beside a padding row, under every plan kind for fixed lengths: the
     # kernels skip it (no read, no write outside the pool) and the device word names the sequence.
@@ -239,7 +261,7 @@ CHILD = textwrap.dedent(
         print("ran bad checkpoint index", plan_name, flush=True)
     """
 )
-MALFORMED_RUNS = 5 * 6  # malformed boundaries x plan kinds in CHILD
+MALFORMED_RUNS = 5 * 6 + 5  # malformed boundaries x plan kinds in CHILD, then on the stream pass
 BAD_INDEX_RUNS = 2 * 6  # index dtypes x plan kinds (the stream pass's own loop too) of the state index past the pool
 BAD_CHECKPOINT_RUNS = 5  # plan kinds of the checkpoint entry past the pool in CHILD
 
@@ -271,6 +293,6 @@ def test_compute_sanitizer(tool: str) -> None:
     assert proc.returncode == 0, f"compute-sanitizer --tool {tool} exited {proc.returncode}:\n{tail}"
     assert CLEAN[tool] in output, f"compute-sanitizer --tool {tool} did not print {CLEAN[tool]!r}:\n{tail}"
     ran = [line for line in proc.stdout.splitlines() if line.startswith("ran ")]
-    # One Case( builds the malformed runs, two the bad state index runs, one the bad checkpoint entry runs.
-    expected = CHILD.count("matrix.Case(") - 4 + MALFORMED_RUNS + BAD_INDEX_RUNS + BAD_CHECKPOINT_RUNS
+    # Two Case( build the malformed runs, two the bad state index runs, one the bad checkpoint entry runs.
+    expected = CHILD.count("matrix.Case(") - 5 + MALFORMED_RUNS + BAD_INDEX_RUNS + BAD_CHECKPOINT_RUNS
     assert len(ran) == expected, f"{len(ran)} of {expected} cases ran under {tool}:\n{tail}"

@@ -24,7 +24,8 @@ def main() -> None:
     only_mismatches = len(sys.argv) > 3
     case = next(c for c in matrix.all_cases() if c.id == case_id)
     x = matrix.make_inputs(case, "cuda")
-    twin_out, twin_state = numerics.twin_forward(**matrix.twin_args(x))
+    twin_out, twin_state = numerics.twin_forward(
+        **matrix.twin_args(x), final_dtype=x["final_state"].dtype if case.has_final else None)
     for i in range(repeats):
         out = torch.full_like(x["out"], float("nan"))
         fin = None if x["final_state"] is None else torch.full_like(x["final_state"], float("nan"))

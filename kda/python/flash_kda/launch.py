@@ -48,15 +48,15 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                                      num_accepted_tokens, checkpoint_indices, checkpoint_every, concrete=True)
     K = HEAD_DIM
     cu_on_host = cu_seqlens is not None and cu_seqlens_on_host(q, cu_seqlens)
-    planned_T = T  # (the plan of the whole call, padding tokens included, as for a CUDA cu_seqlens: the same bits)
     if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or checked_cu_seqlens()):
         check_cu_seqlens(cu_seqlens, T)  # on the host: free there; for a CUDA tensor (checked mode) a sync
-        if cu_seqlens.device.type == "cpu" and T:
+        if q.device.type == "cpu" and T:
             end = int(cu_seqlens[-1])
             if end < T:
-                # Padding tokens past the last sequence (a CUDA-graph batch): the call without them (B = 1, so the
-                # prefixes are contiguous views); their out rows are not written. (The kernels skip them too when
-                # cu_seqlens is on the device.)
+                # Padding tokens past the last sequence (a CUDA-graph batch): the CPU path runs the call without
+                # them (B = 1, so the prefixes are contiguous views); their out rows are not written. A CUDA call
+                # keeps all T tokens whether cu_seqlens is on the host or the device: its plan and kernel counts
+                # them (the same bits either way), and the kernels skip the padding rows.
                 q, k, v, g, beta, out = (t[:, :end] for t in (q, k, v, g, beta, out))
                 T = end
     # (the usual call: no pools, no host time beyond these names)
@@ -111,7 +111,7 @@ def run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         C = _ext.load()
         stream = _ext.current_stream(index)
         gate_code = GATE_CODES[gate]
-        plan, kernel_bytes = plan_for(B, planned_T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
+        plan, kernel_bytes = plan_for(B, T, H, N, cu_seqlens is not None, sm_count_of(index), gate_code)
         if cu_on_host or indices_on_host or accepted_on_host:
             cu_offset, indices_offset, accepted_offset, nbytes = host_copies(kernel_bytes, N, cu_on_host,
                                                                              indices_on_host, accepted_on_host,
