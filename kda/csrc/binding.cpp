@@ -448,7 +448,7 @@ PYBIND11_MODULE(_C, m) {
       "total_tokens tokens over num_seqs sequences (varlen: with cu_seqlens; else of seqlen tokens each) and this "
       "gate code: no per-token states (state_tokens 0), no checkpoints, no fp32 final state, at least as many "
       "(sequence, head) items as the GPU's sm_count SMs, and sequences of exactly 16 tokens (fixed-length) or, "
-      "with the lower-bound gate, of 2 to 16 tokens on average (kda_plan.h).");
+      "with the lower-bound gate and at least 8 items per SM, of 2 to 16 tokens on average (kda_plan.h).");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),

@@ -536,16 +536,16 @@ def _decode() -> list[Case]:
 
 def _stream_pass_cases() -> list[Case]:
     """The stream pass's calls (kda_plan.h, stream_pass_runs: no per-token states, checkpoints or fp32 final state,
-    at least one (sequence, head) item per SM; 16 tokens per sequence, or with the lower-bound gate 2 to 16 on
-    average). B8 T16 H32 (256 items): a bf16 pool in place with a padding row, dense states of every kind it takes
+    at least one (sequence, head) item per SM; 16 tokens per sequence, or with the lower-bound gate and 8 items per
+    SM 2 to 16 on average). B8 T16 H32 (256 items): a bf16 pool in place with a padding row, dense states of every kind it takes
     (a bf16 final state or none, a bf16 or fp32 initial state or none), the slow-decay product, the softplus gate
     with grouped value heads and negative eigenvalues; and an fp32 final state, which stays on the chunk step.
-    Shorter sequences (the lower-bound gate): varlen batches of 4 tokens each and of mixed lengths with empty and
-    one-token sequences, a 100-token sequence hidden among one-token ones (7 chunks of one item), padding tokens
-    past the last sequence, a fixed-length T4 batch; the softplus gate's varlen batch, which stays on the token
-    kernel."""
+    Shorter sequences (the lower-bound gate, at least 8 items per SM: 40 sequences at H32, 1,280 items): varlen
+    batches of 4 tokens each and of mixed lengths with empty and one-token sequences, a 100-token sequence hidden
+    among one-token ones (7 chunks of one item), padding tokens past the last sequence, a fixed-length T4 batch; the
+    softplus gate's varlen batch, which stays on the token kernel."""
     shape = dict(H=32, B=8, T=16)
-    fours, mixed = dict(H=32, seqlens=(4,) * 8), dict(H=32, seqlens=(1, 2, 3, 5, 8, 15, 4, 2, 16, 0))
+    fours, mixed = dict(H=32, seqlens=(4,) * 40), dict(H=32, seqlens=(1, 2, 3, 5, 8, 15, 4, 2, 16, 0) * 4)
     return [
         Case("decode", **shape, state_dtype="bf16", inplace_state=True, pool=12, padding=1),
         Case("decode", **shape, state_dtype="bf16"),
@@ -557,12 +557,12 @@ def _stream_pass_cases() -> list[Case]:
         Case("decode", **shape, state_dtype="bf16", lower_bound=-1.0),
         Case("decode", **shape, state_dtype="bf16", gate="softplus", G=2, neg_eigval=True),
         Case("decode", **shape, state_dtype="fp32"),
-        Case("decode", **fours, state_dtype="bf16", inplace_state=True, pool=12, padding=1),
+        Case("decode", **fours, state_dtype="bf16", inplace_state=True, pool=44, padding=1),
         Case("decode", **fours, state_io="no_state", tail_tokens=3),
         Case("decode", **mixed, state_dtype="bf16"),
         Case("decode", **mixed, state_dtype="fp32", final_dtype="bf16", G=2, neg_eigval=True),
-        Case("decode", H=32, seqlens=(100,) + (1,) * 7, state_dtype="bf16", inplace_state=True, pool=8),
-        Case("decode", H=32, B=8, T=4, state_io="out_only", state_dtype="bf16", lower_bound=-1.0),
+        Case("decode", H=32, seqlens=(100,) + (1,) * 39, state_dtype="bf16", inplace_state=True, pool=40),
+        Case("decode", H=32, B=40, T=4, state_io="out_only", state_dtype="bf16", lower_bound=-1.0),
         Case("decode", **fours, state_dtype="bf16", gate="softplus"),
     ]
 

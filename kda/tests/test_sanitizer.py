@@ -94,9 +94,9 @@ CHILD = textwrap.dedent(
          automatic),
         (matrix.Case("decode", H=2, B=80, T=16, state_dtype="fp32", final_dtype="bf16"), automatic),
         (matrix.Case("decode", H=4, G=2, B=40, T=16, gate="softplus", state_io="no_state"), automatic),
-        # Shorter sequences on the lower-bound gate's stream pass (2 to 16 tokens on average): empty and one-token
-        # sequences and a 40-token one (3 chunks of one item), padding rows in a pool in place.
-        (matrix.Case("decode", H=2, seqlens=(40,) + (1, 4, 0, 3) * 20, state_dtype="bf16", pool=90, padding=2,
+        # Shorter sequences on the lower-bound gate's stream pass (2 to 16 tokens on average, 8 items per SM):
+        # empty and one-token sequences and a 40-token one (3 chunks of one item), padding rows in a pool in place.
+        (matrix.Case("decode", H=8, seqlens=(40,) + (1, 4, 0, 3) * 34, state_dtype="bf16", pool=150, padding=2,
                      inplace_state=True), automatic),
         # The softplus gate with grouped value heads (two value heads per key head; four in the pool), negative
         # eigenvalues and A_log / dt_bias None among them, on every plan kind (the single pass with the lower-bound
@@ -186,19 +186,19 @@ CHILD = textwrap.dedent(
             else:
                 assert message is not None and f"cu_seqlens[{first_bad}]" in message, (cu, plan_name, message)
             print("ran malformed", cu, plan_name, flush=True)
-    # The same on the stream pass (automatic: 100 sequences of 4 tokens on average, 200 items, a bf16 state).
+    # The same on the stream pass (automatic: 133 sequences of 3 tokens, 1,064 items, a bf16 state).
     from flash_kda import planning
-    stream_cu = list(range(0, 401, 4))
-    for change, first_bad in (((2, 1), 2), ((2, 5000), 2), ((0, 5), 0), ((1, -7), 1), ((100, 396), None)):
+    stream_cu = list(range(0, 400, 3)) + [400]
+    for change, first_bad in (((2, 1), 2), ((2, 5000), 2), ((0, 5), 0), ((1, -7), 1), ((134, 399), None)):
         cu = list(stream_cu)
         cu[change[0]] = change[1]
-        case = matrix.Case("decode", H=2, T=400, state_dtype="bf16")
+        case = matrix.Case("decode", H=8, T=400, state_dtype="bf16")
         x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
         N = len(cu) - 1
         x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64).cuda()
         x["initial_state"] = x["initial_state"][:1].expand(N, -1, -1, -1).contiguous()
         x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
-        assert planning.stream_pass_runs(True, 400, fp32_final=False, items=2 * N, total_tokens=400, num_seqs=N,
+        assert planning.stream_pass_runs(True, 400, fp32_final=False, items=8 * N, total_tokens=400, num_seqs=N,
                                          sm_count=planning.sm_count_of(torch.cuda.current_device()))
         flash_kda.fwd(**matrix.fwd_args(x))
         torch.cuda.synchronize()

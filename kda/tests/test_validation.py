@@ -1871,8 +1871,8 @@ def test_decode_chunk_step_choice():
 def test_stream_pass_choice():
     """Under a decode plan the stream pass runs calls without per-token states, checkpoints or an fp32 final state,
     of at least one (sequence, head) item per SM, whose sequences have exactly 16 tokens (fixed-length, either gate)
-    or, with the lower-bound gate, 2 to 16 tokens on average (kda_plan.h, stream_pass_runs); every other call keeps
-    the decode kernels."""
+    or, with the lower-bound gate, 2 to 16 tokens on average and at least 8 items per SM (kda_plan.h,
+    stream_pass_runs); every other call keeps the decode kernels."""
     from flash_kda import planning
 
     def runs(varlen=False, seqlen=16, state_tokens=0, checkpoints=False, fp32_final=False, items=64 * 32, sms=132,
@@ -1890,8 +1890,11 @@ def test_stream_pass_choice():
     assert not runs(state_tokens=4)
     assert not runs(checkpoints=True)
     assert not runs(items=0, sms=0)
-    # Shorter sequences: the lower-bound gate only, from 2 tokens per sequence on average, fixed or varlen.
+    # Shorter sequences: the lower-bound gate only, from 2 tokens per sequence on average, fixed or varlen, with
+    # at least 8 items per SM.
     assert runs(seqlen=15) and runs(seqlen=2) and runs(seqlen=4, gate="lower_bound")
+    assert runs(seqlen=4, items=8 * 132) and not runs(seqlen=4, items=8 * 132 - 1)
+    assert runs(seqlen=16, items=132)  # (16 tokens: from one item per SM)
     assert not runs(seqlen=1)
     assert not runs(seqlen=4, gate="softplus")
     assert runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 32)  # varlen 128 x 4
@@ -1899,7 +1902,7 @@ def test_stream_pass_choice():
     assert not runs(varlen=True, seqlen=1040, total_tokens=1040, num_seqs=64)  # more than 16 on average
     assert not runs(varlen=True, seqlen=127, total_tokens=127, num_seqs=64)  # fewer than 2 on average
     assert not runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 32, gate="softplus")
-    assert not runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128)
+    assert not runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 8)
     with pytest.raises(ValueError, match="items"):
         runs(items=-1)
     with pytest.raises(ValueError, match="gate"):

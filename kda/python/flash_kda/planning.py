@@ -119,7 +119,8 @@ def stream_pass_runs(varlen: bool, seqlen: int, state_tokens: int = 0, checkpoin
     call of ``total_tokens`` tokens over ``num_seqs`` sequences (``varlen``: with cu_seqlens; otherwise of
     ``seqlen`` tokens each): no per-token states or checkpoints, no fp32 final state, at least as many (sequence,
     head) ``items`` as the GPU's ``sm_count`` SMs, and sequences of exactly 16 tokens (fixed-length, either gate)
-    or, with the lower-bound gate, of 2 to 16 tokens on average (``kda::stream_pass_runs``); otherwise
+    or, with the lower-bound gate and at least 8 items per SM, of 2 to 16 tokens on average
+    (``kda::stream_pass_runs``); otherwise
     ``decode_chunk_runs`` decides."""
     if not isinstance(gate, str) or gate not in GATE_CODES:
         raise ValueError(f"gate must be one of {list(GATE_CODES)}, got {gate=}")
