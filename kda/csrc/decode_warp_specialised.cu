@@ -57,7 +57,6 @@ static_assert(kTokenSlots % kPrepWarps == 0 && (kPrepWarps & (kPrepWarps - 1)) =
 constexpr int kLaunchRegs = 96;
 constexpr int kStateRegs = 112;
 constexpr int kPrepRegs = 32;
-constexpr int kSubPartitionRegs = 16384;
 static_assert(kPrepBase % 4 == 0 && kGroups * kPrepWarps == 4, "state warps fill whole warpgroups; one preparing "
               "warp per sub-partition");
 static_assert(kPrepBase / 4 * kStateRegs + kPrepRegs <= (kPrepBase / 4 + 1) * kLaunchRegs,

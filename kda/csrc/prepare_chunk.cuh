@@ -35,7 +35,7 @@ struct PrepTiles {
   __nv_bfloat16 ki[kChunk * kHeadDim];
 };
 // The softplus gate's halves path adds the operands of its product across the two halves (halves_row): rows 8..15
-// of k̂ and then of q̃ anchored at row 7, and rows 0..7 of k̂ from row 7.
+// of k̂ and then of q̂ anchored at row 7, and rows 0..7 of k̂ from row 7.
 struct PrepTilesSoftplus : PrepTiles {
   __nv_bfloat16 cross_l[kChunk * kHeadDim];
   __nv_bfloat16 cross_r[kChunk / 2 * kHeadDim];

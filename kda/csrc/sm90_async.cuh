@@ -159,6 +159,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // A warpgroup (4 consecutive warps, all executing it) raises or lowers its per-thread register limit. Raising
 // waits until the registers others released are free: the limits of a CTA's warps must fit what the CTA was
 // launched with, per SM sub-partition (warp i runs on partition i % 4), or the raise waits forever.
+constexpr int kSubPartitionRegs = 16384;  // the registers of one SM sub-partition
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes a multiple of 8 in 24..256");

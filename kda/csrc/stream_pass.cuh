@@ -46,7 +46,6 @@ constexpr int kStateStages = 2;  // initial states in flight
 constexpr int kStateRowBytes = kHeadDim * 2;  // a bf16 state row
 constexpr int kStatePitch = kStateRowBytes + 16;
 constexpr int kStateStageBytes = kHeadDim * kStatePitch;
-constexpr int kSubPartitionRegs = 16384;  // registers of one SM sub-partition (warp i runs on partition i % 4)
 
 // The CTA's shape per gate. The preparation is the bound at B64 T16 H32 (docs/PERFORMANCE.md, "Where the stream
 // pass waits"), so the lower-bound gate prepares on two warpgroups: 16 warps of 128 registers at launch, moved by
