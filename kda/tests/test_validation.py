@@ -786,7 +786,7 @@ def test_padding_tokens_past_the_last_boundary(pool):
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_padding_tokens_past_the_last_boundary_cuda(where):
     """As above on the kernels, with cu_seqlens on the device (the kernels skip the padding; no error is
-    recorded) and on the host (fwd runs the covered prefix), under the decode and the chunked plans."""
+    recorded) and on the host (the kernels skip the padding likewise), under the decode and the chunked plans."""
     for seqlens, tail in (((2, 0, 3, 0), 4), ((40, 0, 17), 30)):
         x = _cuda(varlen_inputs(seqlens))
         if where == "host":
@@ -1907,6 +1907,25 @@ def test_stream_pass_choice():
         runs(items=-1)
     with pytest.raises(ValueError, match="gate"):
         runs(gate="sigmoid")
+
+
+def test_stream_pass_cases_take_the_route_they_name():
+    """The matrix's stream-pass cases reach the stream pass on a 132-SM H100 or H200 (every one but the fp32 final
+    state and the softplus gate's short sequences), so a route that broke alike in the kernel and the twin cannot
+    leave the matrix green on the token kernels."""
+    import matrix
+
+    def route(case):
+        fp32_final = case.has_final and (case.final_dtype or case.state_dtype) == "fp32"
+        return planning.stream_pass_runs(case.varlen, case.T, fp32_final=fp32_final, items=case.num_seqs * case.H,
+                                         sm_count=132, total_tokens=case.B * case.T,
+                                         num_seqs=case.num_seqs, gate=case.gate)
+
+    cases = matrix._stream_pass_cases()
+    stays = [c for c in cases if not route(c)]
+    assert [(c.final_dtype or c.state_dtype, c.gate, c.T) for c in stays] == [("fp32", "lower_bound", 16),
+                                                                              ("bf16", "softplus", 160)]
+    assert len(cases) - len(stays) == 15
 
 
 @pytest.mark.parametrize(
