@@ -4,7 +4,8 @@ under the softplus gate, negative eigenvalues, grouped value heads with G of 2 o
 the GPU a forced plan of every kind.
 
 - GPU (marker ``gpu``): GPU_CASES calls, each bit for bit against ``numerics.twin_forward`` (out, and the whole
-  final pool or state: untouched slots keep their poison) with the inputs unchanged.
+  final pool or state: untouched slots keep their poison) with the inputs unchanged; and STREAM_CASES decode-shaped
+  calls of many short sequences (at least 8 items per SM of an H100 or H200) that take the stream pass, likewise.
 - CPU (runs in CI): CPU_CASES calls of the CPU path against the float64 reference (pools through the references'
   own gather and scatter), within the CPU path's bounds (test_cpu_path.py: out within 1.01 × the bf16 rounding
   floor, an fp32 state within 1e-6; under the softplus gate within 5e-5, test_softplus_numerics.py's bound).
@@ -36,6 +37,11 @@ FP32_STATE_REL_L2 = 1e-6  # test_cpu_path.py: measured worst 3.4e-7
 # a few ulp of that magnitude, not of the decay's effect.
 SOFTPLUS_FP32_STATE_REL_L2 = 5e-5
 SEQLEN_CHOICES = (0, 1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 64, 100, 130)
+# The stream pass's calls (kda_plan.h, stream_pass_runs): 2 to 16 tokens per sequence on average, at least 8
+# (sequence, value head) items per SM: 1,152 items covers 144 SMs (an H100 or H200 has 132).
+STREAM_CASES = 12
+STREAM_MIN_ITEMS = 8 * 144
+STREAM_SEQLEN_CHOICES = (0, 1, 1, 2, 3, 4, 4, 5, 8, 15, 16, 17, 33, 100)
 
 
 def random_case(i: int, *, gpu: bool) -> matrix.Case:
@@ -90,6 +96,45 @@ def random_case(i: int, *, gpu: bool) -> matrix.Case:
     return matrix.Case(slice_, H=G * H, **shape, **fields, seed=seed)
 
 
+def random_stream_case(j: int) -> matrix.Case:
+    """Stream-pass case j (its own seeded generator): many sequences averaging 2 to 16 tokens (varlen with empty,
+    one-token and a few long ones, padding tokens past the last; or fixed-length T2 to T16), pools with padding
+    rows and in place, dense states of each dtype the stream pass takes, the lower-bound gate (the softplus gate on
+    fixed T16, the one shape it takes there), negative eigenvalues and grouped value heads."""
+    rng = random.Random(f"{SEED}:stream:{j}")
+    G = rng.choice((1, 1, 2))
+    H = G * rng.choice((8, 16, 32))
+    N = -(-STREAM_MIN_ITEMS // H) + rng.randint(0, 24)
+    fields: dict = dict(lower_bound=rng.choice((-5.0, -1.0, -0.01)), neg_eigval=rng.random() < 0.3, G=G)
+    if rng.random() < 0.6:
+        seqlens = [rng.choice(STREAM_SEQLEN_CHOICES) for _ in range(N)]
+        while sum(seqlens) < 2 * N:  # 2 tokens per sequence on average at least
+            seqlens[rng.randrange(N)] += 1
+        while sum(seqlens) > 16 * N:
+            seqlens[seqlens.index(max(seqlens))] //= 2
+        shape = dict(seqlens=tuple(seqlens), tail_tokens=rng.choice((0, 0, 3, 17)))
+        tokens = sum(seqlens) + shape["tail_tokens"]
+        if tokens > 16 * N:
+            shape["tail_tokens"] = 0
+    else:
+        shape = dict(B=N, T=rng.choice((2, 3, 4, 5, 8, 15, 16)))
+        if shape["T"] == 16 and rng.random() < 0.5:
+            fields["gate"] = "softplus"
+    # The state by j % 4: a bf16 pool (padding rows, in place or two pools), dense states in and out (a bf16
+    # final state: an fp32 one keeps the token kernels), one of them, none.
+    state_io = ("in+out", "in+out", rng.choice(("in_only", "out_only")), "no_state")[j % 4]
+    fields.update(state_io=state_io, state_dtype="bf16" if j % 4 == 0 or state_io == "out_only"
+                  else rng.choice(("bf16", "fp32")))
+    if j % 4 == 0:
+        padding = rng.randint(0, 4)
+        fields.update(pool=N - padding + rng.randint(0, 3), padding=padding, inplace_state=rng.random() < 0.6,
+                      indices_int32=rng.random() < 0.5, indices_on_host=rng.random() < 0.4)
+    elif state_io == "in+out" and fields["state_dtype"] == "fp32":
+        fields["final_dtype"] = "bf16"
+    return matrix.Case("pool" if fields.get("pool") else "decode", H=H, **shape, **fields,
+                       seed=rng.randrange(1 << 31))
+
+
 def _args_before(case: matrix.Case, x: dict) -> dict:
     """The twin's / reference's arguments from the inputs as they are before the call (clones: in place)."""
     args = matrix.twin_args(x)
@@ -104,9 +149,34 @@ def _args_before(case: matrix.Case, x: dict) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", range(GPU_CASES), ids=lambda i: f"fuzz{i}")
 def test_fuzz_gpu_equals_twin(i: int) -> None:
+    _check_against_twin(random_case(i, gpu=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("j", range(STREAM_CASES), ids=lambda j: f"stream{j}")
+def test_fuzz_stream_pass_equals_twin(j: int) -> None:
+    from flash_kda import planning  # noqa: PLC0415
+
+    case = random_stream_case(j)
+    assert _stream_pass_route(case, planning.sm_count_of(torch.cuda.current_device())), case.id
+    _check_against_twin(case)
+
+
+def _stream_pass_route(case: matrix.Case, sm_count: int) -> bool:
+    """Whether a decode plan runs ``case`` on the stream pass at ``sm_count`` SMs."""
+    from flash_kda import planning  # noqa: PLC0415
+
+    fp32_final = case.has_final and (case.final_dtype or case.state_dtype) == "fp32"
+    return planning.stream_pass_runs(case.varlen, case.T, fp32_final=fp32_final, items=case.num_seqs * case.H,
+                                     sm_count=sm_count, total_tokens=case.B * case.T, num_seqs=case.num_seqs,
+                                     gate=case.gate)
+
+
+def _check_against_twin(case: matrix.Case) -> None:
+    """One call of ``case`` on the GPU (under its forced plan, if any) bit for bit against the twin, its inputs
+    unchanged and no error recorded."""
     from flash_kda import numerics  # noqa: PLC0415
 
-    case = random_case(i, gpu=True)
     x = matrix.make_inputs(case, "cuda")
     before = {n: x[n].clone() for n in matrix.INPUT_NAMES if x[n] is not None}
     args = _args_before(case, x)
@@ -120,8 +190,11 @@ def test_fuzz_gpu_equals_twin(i: int) -> None:
     twin_out, twin_state = numerics.twin_forward(**args, segment_chunks=plan.segment_chunks, decode=plan.decode,
                                                  final_dtype=x["final_state"].dtype if case.has_final else None)
     failures = []
-    if not torch.equal(x["out"], twin_out):
-        failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'], twin_out)}")
+    end = case.covered  # (padding tokens past cu_seqlens[-1] belong to no sequence: their out rows keep the poison)
+    if not torch.equal(x["out"][:, :end], twin_out[:, :end]):
+        failures.append(f"out != twin: {compare.bitwise_mismatch(x['out'][:, :end], twin_out[:, :end])}")
+    if case.tail_tokens and not matrix.same_bits(x["out"][:, end:], torch.full_like(x["out"][:, end:], float("nan"))):
+        failures.append("out rows of the padding tokens past cu_seqlens[-1] were written")
     if case.has_final:
         twin_state = twin_state.to(x["final_state"].dtype)
         actual, base = x["final_state"], args.get("final_state")
@@ -173,6 +246,22 @@ def test_fuzz_draws_every_kind() -> None:
     assert any(c.lead_chunks >= 0 for c in cases) and any(c.v_split > 1 for c in cases)
     assert any(c.indices_on_host for c in cases)
     assert random_case(3, gpu=True) == random_case(3, gpu=True)  # reproducible
+
+
+def test_fuzz_stream_draws_take_the_stream_pass() -> None:
+    """Every stream-pass draw takes the stream pass at 132 and at 144 SMs, and the draws cover varlen (with long
+    and empty sequences and padding tokens) and fixed lengths, pools with padding in place, both initial-state
+    dtypes, no state, the softplus gate, negative eigenvalues and grouped value heads."""
+    cases = [random_stream_case(j) for j in range(STREAM_CASES)]
+    assert all(_stream_pass_route(c, sms) for c in cases for sms in (132, 144)), [c.id for c in cases]
+    assert any(c.varlen and c.tail_tokens for c in cases) and any(not c.varlen for c in cases)
+    assert any(c.varlen and 0 in c.seqlens and 1 in c.seqlens and max(c.seqlens) > 16 for c in cases)
+    assert any(c.pool and c.padding and c.inplace_state for c in cases)
+    assert any(c.pool and c.indices_on_host for c in cases)
+    assert {c.state_dtype for c in cases} >= {"bf16", "fp32", "none"}
+    assert any(c.gate == "softplus" for c in cases) and any(c.neg_eigval for c in cases)
+    assert any(c.G > 1 for c in cases)
+    assert random_stream_case(5) == random_stream_case(5)
 
 
 @pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])
