@@ -829,6 +829,34 @@ def test_padded_call_plans_all_its_tokens_wherever_cu_seqlens_is():
 
 
 @pytest.mark.gpu
+def test_padded_decode_call_takes_one_kernel_wherever_cu_seqlens_is():
+    """The decode plan's kernel choice counts all T tokens too: 128 one-token sequences padded to T = 256 at H32
+    average 2 tokens and take the stream pass (kda_plan.h, stream_pass_runs) with cu_seqlens on the host as on the
+    device, so the two give the same bits."""
+    heads, T, N = 32, 256, 128
+    assert planning.stream_pass_runs(True, T, fp32_final=False, items=N * heads, total_tokens=T, num_seqs=N,
+                                     sm_count=planning.sm_count_of(torch.cuda.current_device()))
+    gen = torch.Generator().manual_seed(12)
+    x = {n: torch.randn(1, T, heads, D, generator=gen).to(torch.bfloat16).cuda() for n in ("q", "k", "v", "g")}
+    x["beta"] = torch.randn(1, T, heads, generator=gen).to(torch.bfloat16).cuda()
+    A_log, dt_bias = torch.zeros(heads, device="cuda"), torch.zeros(heads, D, device="cuda")
+    init = torch.randn(N, heads, D, D, generator=gen).to(torch.bfloat16).cuda()
+    cu = torch.arange(N + 1)
+    assert flash_kda.plan(x["q"], cu) == flash_kda.plan(x["q"], cu.cuda()) and flash_kda.plan(x["q"], cu).decode
+    results = []
+    for where in (cu, cu.cuda()):
+        out = torch.full_like(x["v"], float("nan"))
+        fin = torch.full_like(init, float("nan"))
+        flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, out, A_log, dt_bias, -5.0, init, fin, where)
+        results.append((out, fin))
+    torch.cuda.synchronize()
+    assert flash_kda.last_error() is None
+    (host_out, host_fin), (device_out, device_fin) = results
+    assert torch.equal(host_out[:, :N], device_out[:, :N]) and torch.equal(host_fin, device_fin)
+    assert torch.isnan(host_out[:, N:].float()).all() and torch.isnan(device_out[:, N:].float()).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cu, pattern", [([0, 30, 20, 65], r"cu_seqlens\[1\]=30 > cu_seqlens\[2\]=20"),
                                          ([0, 20, 20, 66], r"cu_seqlens\[-1\] must be at most the number of tokens 65")])
 def test_malformed_host_cu_seqlens_is_refused_by_index(cu, pattern):
