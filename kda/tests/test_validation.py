@@ -832,7 +832,9 @@ def test_padded_call_plans_all_its_tokens_wherever_cu_seqlens_is():
 def test_padded_decode_call_takes_one_kernel_wherever_cu_seqlens_is():
     """The decode plan's kernel choice counts all T tokens too: 128 one-token sequences padded to T = 256 at H32
     average 2 tokens and take the stream pass (kda_plan.h, stream_pass_runs) with cu_seqlens on the host as on the
-    device, so the two give the same bits."""
+    device: both give the bits of the chunked arithmetic without a time split, the stream pass's."""
+    from flash_kda import numerics
+
     heads, T, N = 32, 256, 128
     assert planning.stream_pass_runs(True, T, fp32_final=False, items=N * heads, total_tokens=T, num_seqs=N,
                                      sm_count=planning.sm_count_of(torch.cuda.current_device()))
@@ -851,9 +853,11 @@ def test_padded_decode_call_takes_one_kernel_wherever_cu_seqlens_is():
         results.append((out, fin))
     torch.cuda.synchronize()
     assert flash_kda.last_error() is None
-    (host_out, host_fin), (device_out, device_fin) = results
-    assert torch.equal(host_out[:, :N], device_out[:, :N]) and torch.equal(host_fin, device_fin)
-    assert torch.isnan(host_out[:, N:].float()).all() and torch.isnan(device_out[:, N:].float()).all()
+    twin_out, twin_fin = numerics.twin_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, A_log, dt_bias,
+                                               -5.0, init, cu.cuda(), segment_chunks=0, decode=False)
+    for out, fin in results:
+        assert torch.equal(out[:, :N], twin_out[:, :N]) and torch.equal(fin, twin_fin.to(fin.dtype))
+        assert torch.isnan(out[:, N:].float()).all()
 
 
 @pytest.mark.gpu
