@@ -1085,6 +1085,17 @@ def plan_args(inputs: dict) -> dict:
     return {} if gate == "lower_bound" else {"gate": gate}
 
 
+def stream_pass_route(case: Case, sm_count: int) -> bool:
+    """Whether a decode plan runs ``case`` on the stream pass at ``sm_count`` SMs (planning.stream_pass_runs, from
+    the case's shape: all T tokens, padding included; (sequence, value head) items)."""
+    from flash_kda import planning  # noqa: PLC0415
+
+    fp32_final = case.has_final and (case.final_dtype or case.state_dtype) == "fp32"
+    return planning.stream_pass_runs(case.varlen, case.T, fp32_final=fp32_final, items=case.num_seqs * case.H,
+                                     sm_count=sm_count, total_tokens=case.B * case.T, num_seqs=case.num_seqs,
+                                     gate=case.gate)
+
+
 def twin_args(inputs: dict) -> dict:
     """The keyword arguments of numerics.twin_forward / cpu_forward / reference_* for ``inputs`` (with a pool:
     ``final_state`` is the pool as ``inputs`` hold it, the base of the pool the references return; ``gate_kind``

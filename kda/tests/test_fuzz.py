@@ -160,21 +160,11 @@ def test_fuzz_stream_pass_equals_twin(j: int) -> None:
     from flash_kda import planning  # noqa: PLC0415
 
     case = random_stream_case(j)
-    assert _stream_pass_route(case, planning.sm_count_of(torch.cuda.current_device())), case.id
+    assert matrix.stream_pass_route(case, planning.sm_count_of(torch.cuda.current_device())), case.id
     # The stream pass runs the chunked arithmetic without a time split: the twin re-enacts that directly (not
     # through the route it shares with the kernel), so a call left on the token kernels fails on its bits.
     plan = _check_against_twin(case, stream_pass=True)
     assert plan.decode, plan
-
-
-def _stream_pass_route(case: matrix.Case, sm_count: int) -> bool:
-    """Whether a decode plan runs ``case`` on the stream pass at ``sm_count`` SMs."""
-    from flash_kda import planning  # noqa: PLC0415
-
-    fp32_final = case.has_final and (case.final_dtype or case.state_dtype) == "fp32"
-    return planning.stream_pass_runs(case.varlen, case.T, fp32_final=fp32_final, items=case.num_seqs * case.H,
-                                     sm_count=sm_count, total_tokens=case.B * case.T, num_seqs=case.num_seqs,
-                                     gate=case.gate)
 
 
 def _check_against_twin(case: matrix.Case, stream_pass: bool = False):
@@ -260,7 +250,7 @@ def test_fuzz_stream_draws_take_the_stream_pass() -> None:
     and empty sequences and padding tokens) and fixed lengths, pools with padding in place, both initial-state
     dtypes, no state, the softplus gate, negative eigenvalues and grouped value heads."""
     cases = [random_stream_case(j) for j in range(STREAM_CASES)]
-    assert all(_stream_pass_route(c, sms) for c in cases for sms in (132, 144)), [c.id for c in cases]
+    assert all(matrix.stream_pass_route(c, sms) for c in cases for sms in (132, 144)), [c.id for c in cases]
     assert any(c.varlen and c.tail_tokens for c in cases) and any(not c.varlen for c in cases)
     assert any(c.varlen and 0 in c.seqlens and 1 in c.seqlens and max(c.seqlens) > 16 for c in cases)
     assert any(c.pool and c.padding and c.inplace_state for c in cases)

@@ -1947,14 +1947,8 @@ def test_stream_pass_cases_take_the_route_they_name():
     leave the matrix green on the token kernels."""
     import matrix
 
-    def route(case):
-        fp32_final = case.has_final and (case.final_dtype or case.state_dtype) == "fp32"
-        return planning.stream_pass_runs(case.varlen, case.T, fp32_final=fp32_final, items=case.num_seqs * case.H,
-                                         sm_count=132, total_tokens=case.B * case.T,
-                                         num_seqs=case.num_seqs, gate=case.gate)
-
     cases = matrix._stream_pass_cases()
-    stays = [c for c in cases if not route(c)]
+    stays = [c for c in cases if not matrix.stream_pass_route(c, 132)]
     assert [(c.final_dtype or c.state_dtype, c.gate, c.T) for c in stays] == [("fp32", "lower_bound", 16),
                                                                               ("bf16", "softplus", 160)]
     assert len(cases) - len(stays) == 15
