@@ -14,9 +14,9 @@ namespace kda {
 
 // Recurrence CTAs per (segment, head). Each CTA owns 128 / v_split state rows (16 per warp), so the split
 // changes no bit. One (sequence, head) on one SM is bound by the SM's throughput (8 warps share 4
-// sub-partitions and the tensor cores: 0.88 µs per step with wgmma); split over 2-8 SMs a step is bound by one
-// warp's own chain, 0.57-0.64 µs (docs/DESIGN.md). Splitting past the SM count only queues CTAs, so the split
-// is the largest power of two that still fits the whole grid on the GPU at once.
+// sub-partitions and the tensor cores: 0.73-0.90 µs per step); split over 2-8 SMs a step is bound by one warp's
+// own chain, about 0.65 µs (docs/DESIGN.md, "The step"). Splitting past the SM count only queues CTAs, so the
+// split is the largest power of two that still fits the whole grid on the GPU at once.
 inline int choose_v_split(int64_t num_seqs, int heads, int sm_count) {
   const int64_t pairs = num_seqs * heads;
   int split = 1;
