@@ -1,8 +1,9 @@
 // The KDA forward: the preparation kernel fills the workspace; with a time split the scan pass and the
 // composition turn it into every segment's start state; then the recurrence's finishing pass runs. Under a
 // single-pass plan one kernel does both stages and the workspace holds nothing; under a decode plan one kernel
-// holds the state in registers and steps chunk by chunk on the tensor cores (decode_chunk.cu) or token by token
-// (decode.cu), no workspace either; under an overlap plan the
+// runs the call with no workspace either: the stream pass (stream_pass.cuh, the chunked arithmetic with its
+// records in shared memory), the chunk step (decode_chunk.cu, 16 tokens per tensor-core step) or token by token
+// (decode_warp_specialised.cu, decode.cu), the state in registers; under an overlap plan the
 // preparation kernel does a lead of chunks and its tail kernel the rest beside the finishing pass (both launched
 // as programmatic dependents, kda_params.h "The overlap"). All are enqueued on the caller's stream; nothing here
 // synchronises or allocates.

@@ -27,7 +27,7 @@ inline int choose_v_split(int64_t num_seqs, int heads, int sm_count) {
 // Slow decay: with lower_bound above this, the state update is S ⊙ 2^Γ + U_hi·Kr + U_lo·Kr, U_hi = bf16(Uᵀ) and
 // U_lo = bf16(Uᵀ − U_hi), instead of S ⊙ 2^Γ + bf16(Uᵀ)·Kr. A slowly decaying state carries every step's rounding
 // of Uᵀ furthest: at lower_bound −0.01 the bf16 rounding of Uᵀ alone lifts the state's error from 3.2e-3 to
-// 3.6e-3 (T131072 H1, against float64); the second product costs 4–12 % of a call (docs/DESIGN.md). The twin
+// 3.6e-3 (T131072 H1, against float64); the second product costs 3–8 % of a call (docs/DESIGN.md). The twin
 // asks the extension for this rule (hi_lo_state_update), so kernel and twin always agree.
 constexpr float kHiLoUpdateLowerBound = -4.0f;
 inline bool hi_lo_state_update(float lower_bound) { return lower_bound > kHiLoUpdateLowerBound; }
