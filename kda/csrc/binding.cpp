@@ -435,20 +435,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("state_tokens"),
         "Whether a decode plan runs the chunk step (decode_chunk.cu) rather than the token-by-token kernel for a call "
         "of total_tokens tokens over num_seqs sequences with state_tokens per-token states (0: none).");
-  m.def(
-      "stream_pass_runs",
-      [](bool varlen, int64_t seqlen, int64_t total_tokens, int64_t num_seqs, int state_tokens, bool checkpoints,
-         bool fp32_final, int64_t items, int sm_count, int gate) {
-        return kda::stream_pass_runs(varlen, seqlen, total_tokens, num_seqs, state_tokens, checkpoints, fp32_final,
-                                     items, sm_count, static_cast<kda::GateKind>(gate));
-      },
-      py::arg("varlen"), py::arg("seqlen"), py::arg("total_tokens"), py::arg("num_seqs"), py::arg("state_tokens"),
-      py::arg("checkpoints"), py::arg("fp32_final"), py::arg("items"), py::arg("sm_count"), py::arg("gate"),
-      "Whether a decode plan runs the stream pass (stream_pass.cuh: the chunked arithmetic) for a call of "
-      "total_tokens tokens over num_seqs sequences (varlen: with cu_seqlens; else of seqlen tokens each) and this "
-      "gate code: no per-token states (state_tokens 0), no checkpoints, no fp32 final state, at least as many "
-      "(sequence, head) items as the GPU's sm_count SMs, and sequences of exactly 16 tokens (fixed-length) or, "
-      "with the lower-bound gate and at least 8 items per SM, of 2 to 16 tokens on average (kda_plan.h).");
+  m.def("stream_pass_runs", &kda::stream_pass_runs, py::arg("varlen"), py::arg("seqlen"), py::arg("state_tokens"),
+        py::arg("checkpoints"), py::arg("fp32_final"), py::arg("items"), py::arg("sm_count"),
+        "Whether a decode plan runs the stream pass (stream_pass.cuh: the chunked arithmetic) for a call: fixed-length "
+        "sequences of exactly one chunk (seqlen 16), no per-token states (state_tokens 0), no checkpoints, no fp32 "
+        "final state, and at least as many (sequence, head) items as the GPU's sm_count SMs.");
   m.def("choose_v_split", &kda::choose_v_split, py::arg("num_seqs"), py::arg("heads"), py::arg("sm_count"),
         "Recurrence CTAs per (sequence, head) that fwd picks for these shapes on a GPU with sm_count SMs.");
   m.def("hi_lo_state_update", &kda::hi_lo_state_update, py::arg("lower_bound"),

@@ -72,9 +72,8 @@ void fwd(const FwdParams& p, cudaStream_t stream) {
   }
   if (p.decode && p.num_seqs > 0 && p.heads > 0) {
     // Either kernel runs the input checks itself.
-    if (stream_pass_runs(p.cu_seqlens != nullptr, p.seqlen, p.total_tokens, p.num_seqs, p.state_tokens,
-                         p.checkpoint_chunks > 0, p.final_state != nullptr && p.final_is_fp32, p.num_seqs * p.heads,
-                         current_sm_count(), p.gate)) {
+    if (stream_pass_runs(p.cu_seqlens != nullptr, p.seqlen, p.state_tokens, p.checkpoint_chunks > 0,
+                         p.final_state != nullptr && p.final_is_fp32, p.num_seqs * p.heads, current_sm_count())) {
       launch_stream_pass(p, stream);
     } else if (decode_chunk_runs(p.total_tokens, p.num_seqs, p.state_tokens)) {
       launch_decode_chunk(p, stream);

@@ -35,9 +35,9 @@ void launch_decode_warp_specialised(const FwdParams& p, cudaStream_t stream);
 // when).
 void launch_decode_chunk(const FwdParams& p, cudaStream_t stream);
 
-// The stream pass (stream_pass.cuh): the chunked arithmetic for calls of many sequences of at most a chunk on
-// average, in one persistent kernel that prepares and steps side by side, no workspace (kda_plan.h,
-// stream_pass_runs, says when: never with an fp32 final state); it runs the decode kernels' input checks.
+// The stream pass (stream_pass.cuh): the chunked arithmetic for calls of many one-chunk sequences in one persistent
+// kernel that prepares and steps side by side, no workspace (kda_plan.h, stream_pass_runs, says when: never with an
+// fp32 final state); it runs the decode kernels' input checks.
 void launch_stream_pass(const FwdParams& p, cudaStream_t stream);
 
 // Records a malformed CUDA cu_seqlens or state index in the device's error word and, for longest first, ranks the

@@ -305,28 +305,18 @@ inline bool decode_chunk_runs(int64_t total_tokens, int64_t num_seqs, int state_
   return state_tokens == 0 && total_tokens >= kChunk * num_seqs && total_tokens > 0;
 }
 
-// Under the decode plan, the stream pass (stream_pass.cuh): the chunked arithmetic (the two stages' records and
-// step, so the chunked plans' bits) in one persistent kernel, for calls without per-token states or checkpoints of
-// - fixed-length sequences of exactly one chunk (T = 16), either gate: the chunk step spends about twice the
-//   instructions on its fp32-grade products (docs/PERFORMANCE.md, "The stream pass");
-// - with the lower-bound gate (whose stream pass prepares on two warpgroups, v30), also shorter sequences of 2 to
-//   16 tokens on average, fixed-length or varlen, where the token kernels spend about 390 instructions per warp and
-//   token (docs/PERFORMANCE.md, "The stream pass on short sequences"), with at least kStreamShortItemsPerSm items
-//   per SM: a chunk costs a preparing warp about 14.5 µs where the token kernel takes about 4 µs per item and SM,
-//   so with fewer items the token kernels finish first (a count); a longer sequence hidden in such a batch runs
-//   chunk by chunk. One token per sequence stays on the token kernel, which runs at the memory floor's pace.
-// Two more conditions keep the decode slice's accuracy: no fp32 final state (the decode kernels hold one to about
-// 1e-7, the chunked arithmetic to about 3e-3, at its bound), and at least one (sequence, head) item per SM (a call of
-// one or a few heads can exceed the short-sequence bounds on the chunked arithmetic; many heads average them out,
-// and the persistent kernel needs them to pay). Smaller calls keep the decode kernels' accuracy.
-constexpr int64_t kStreamMinTokensPerSeq = 2;
-constexpr int64_t kStreamShortItemsPerSm = 8;
-inline bool stream_pass_runs(bool varlen, int64_t seqlen, int64_t total_tokens, int64_t num_seqs, int state_tokens,
-                             bool checkpoints, bool fp32_final, int64_t items, int sm_count, GateKind gate) {
-  if (state_tokens != 0 || checkpoints || fp32_final || sm_count <= 0 || items < sm_count) return false;
-  if (!varlen && seqlen == kChunk) return true;
-  return gate == GateKind::kLowerBound && items >= kStreamShortItemsPerSm * sm_count &&
-         total_tokens >= kStreamMinTokensPerSeq * num_seqs && total_tokens <= kDecodeMaxTokens * num_seqs;
+// Under the decode plan, the stream pass (stream_pass.cuh) for fixed-length calls of exactly one chunk per sequence
+// (T = 16) without per-token states or checkpoints: the chunked arithmetic (the two stages' records and step, so
+// the chunked plans' bits), where the chunk step spends about twice the instructions on its fp32-grade products
+// (docs/PERFORMANCE.md, "The stream pass"). Two more conditions keep the decode slice's accuracy: no fp32 final
+// state (the chunk step's fp32 recurrence holds one to about 1e-7, the chunked arithmetic to about 3e-3, at its
+// bound), and at least one (sequence, head) item per SM (a call of one or a few heads can exceed the short-sequence
+// bounds on the chunked arithmetic; many heads average them out, and the persistent kernel needs them to pay).
+// Shorter sequences keep the decode kernels' accuracy.
+inline bool stream_pass_runs(bool varlen, int64_t seqlen, int state_tokens, bool checkpoints, bool fp32_final,
+                             int64_t items, int sm_count) {
+  return !varlen && seqlen == kChunk && state_tokens == 0 && !checkpoints && !fp32_final && items >= sm_count &&
+         sm_count > 0;
 }
 
 // The plan for a call, with whatever `forced` fixes.

@@ -428,28 +428,6 @@ __device__ __forceinline__ void product_epilogue(const float (&a_acc)[2][4], con
   }
 }
 
-// Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
-// writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's even row, then of
-// its odd row.
-__device__ __forceinline__ void store_krt(const uint32_t (&krt_packed)[kChannelsPerLane][kChunk / 2],
-                                          __nv_bfloat16* rec_krt, int ch0, int lane) {
-  const bool odd = (lane & 1) != 0;
-  const int even_ch0 = ch0 & ~4, odd_ch0 = ch0 | 4;
-#pragma unroll
-  for (int c = 0; c < kChannelsPerLane; ++c) {
-    uint32_t got[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      got[i] = __shfl_xor_sync(0xffffffffu, odd ? krt_packed[c][i] : krt_packed[c][4 + i], 1);
-    }
-    const uint4 mine0 = make_uint4(krt_packed[c][0], krt_packed[c][1], krt_packed[c][2], krt_packed[c][3]);
-    const uint4 mine1 = make_uint4(krt_packed[c][4], krt_packed[c][5], krt_packed[c][6], krt_packed[c][7]);
-    const uint4 theirs = make_uint4(got[0], got[1], got[2], got[3]);
-    *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(even_ch0 + c, odd ? 8 : 0)) = odd ? theirs : mine0;
-    *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(odd_ch0 + c, odd ? 8 : 0)) = odd ? mine1 : theirs;
-  }
-}
-
 // One chunk of one head, by one warp: rows t0 .. t0 + rows - 1 (rows <= 16; the rest are zero) into `record`.
 // kInSmem = false (the preparation kernel): `record` is a workspace record, `scratch` a PrepScratch<kGate>.
 // kInSmem = true (the single-pass kernel): `record` is a ring stage in shared memory and `scratch` one tile. The
@@ -457,11 +435,9 @@ __device__ __forceinline__ void store_krt(const uint32_t (&krt_packed)[kChannels
 // lane overwrites only the 8 bytes it read), g to the tile, which later holds Ki and then A; the products read
 // Kd and Qd from the record. The same arithmetic in the same order either way, so the record's bits are the same.
 // On return every async copy this warp issued before the call has landed too.
-// kScratchInRecord (the stream pass, with kInSmem): no scratch of its own; the one tile is the record's Krᵀ block,
-// whose rows are stored last, after the substitution has read A there (`scratch` is ignored).
 // Every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves) rather than two
 // partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
-template <bool kInSmem, GateKind kGate = GateKind::kLowerBound, bool kScratchInRecord = false>
+template <bool kInSmem, GateKind kGate = GateKind::kLowerBound>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {
   const int H = p.heads;
@@ -472,7 +448,6 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   const auto* beta = static_cast<const __nv_bfloat16*>(p.beta);
   const int ch0 = kChannelsPerLane * lane;
   static_assert(!kInSmem || kGate == GateKind::kLowerBound, "the single pass runs the lower-bound gate only");
-  static_assert(!kScratchInRecord || kInSmem, "only a record in shared memory lends its Krᵀ block");
   constexpr bool softplus = kGate == GateKind::kSoftplus;
   auto row_offset = [&](int r) { return ((t0 + r) * H + h) * kHeadDim + ch0; };
   auto key_row_offset = [&](int r) { return ((t0 + r) * p.key_heads + hk) * kHeadDim + ch0; };
@@ -485,7 +460,6 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   auto* rec_beta = reinterpret_cast<float*>(record + ChunkRecordLayout::kBetaOffset);
   // The tiles: kd, qd and ki of PrepScratch (and the softplus gate's cross_l, cross_r), or (kInSmem) the one tile
   // as ki.
-  if constexpr (kScratchInRecord) scratch = rec_krt;
   __nv_bfloat16* tile_kd = scratch;
   __nv_bfloat16* tile_qd = scratch + kChunk * kHeadDim;
   __nv_bfloat16* tile_ki = kInSmem ? scratch : scratch + 2 * kChunk * kHeadDim;
@@ -607,7 +581,26 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   if constexpr (softplus) {
     if (!halves) anchored_late_rows(anchored, ch0, tile_ki);
   }
-  if constexpr (!kScratchInRecord) store_krt(krt_packed, rec_krt, ch0, lane);
+  // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
+  // writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's even row, then of
+  // its odd row.
+  {
+    const bool odd = (lane & 1) != 0;
+    const int even_ch0 = ch0 & ~4, odd_ch0 = ch0 | 4;
+#pragma unroll
+    for (int c = 0; c < kChannelsPerLane; ++c) {
+      uint32_t got[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        got[i] = __shfl_xor_sync(0xffffffffu, odd ? krt_packed[c][i] : krt_packed[c][4 + i], 1);
+      }
+      const uint4 mine0 = make_uint4(krt_packed[c][0], krt_packed[c][1], krt_packed[c][2], krt_packed[c][3]);
+      const uint4 mine1 = make_uint4(krt_packed[c][4], krt_packed[c][5], krt_packed[c][6], krt_packed[c][7]);
+      const uint4 theirs = make_uint4(got[0], got[1], got[2], got[3]);
+      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(even_ch0 + c, odd ? 8 : 0)) = odd ? theirs : mine0;
+      *reinterpret_cast<uint4*>(rec_krt + swizzle_narrow(odd_ch0 + c, odd ? 8 : 0)) = odd ? mine1 : theirs;
+    }
+  }
   __syncwarp();
 
   // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order (softplus gate: Lk·Rᵀ and Lq·Rᵀ, the
@@ -667,10 +660,6 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       x[i] = __fsub_rn(i == j ? 1.f : 0.f, acc);
       rec_inv[swizzle_narrow(i, j)] = __float2bfloat16_rn(x[i]);
     }
-  }
-  if constexpr (kScratchInRecord) {
-    __syncwarp();  // the substitution has read A from the Krᵀ block
-    store_krt(krt_packed, rec_krt, ch0, lane);
   }
 }
 

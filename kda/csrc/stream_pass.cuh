@@ -5,10 +5,9 @@
 // the bits are the chunked plans' and the twin is theirs.
 //
 // One CTA per SM takes the (sequence, head) items b, b + grid, ... in turn. Warps 0..7 (two warpgroups) hold the
-// item's 128 state rows in fp32 registers and run the finishing step of two warpgroups (run_chunks, kPrepFed); the
-// preparing warps behind them (StreamShape: two warpgroups for the lower-bound gate, one for the softplus gate)
-// prepare the CTA's chunks in stream order (warp r of P takes positions r, r + P, ...) straight into a ring of
-// shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the chunk's
+// item's 128 state rows in fp32 registers and run the finishing step of two warpgroups (run_chunks, kPrepFed);
+// warps 8..11 prepare the CTA's chunks in stream order (warp r takes positions r, r + 4, ...) straight into a ring
+// of 4 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the chunk's
 // value rows by cp.async. A stage passes from the preparing warp to the step warps on its "full" mbarrier and back
 // on its "empty" one. A bf16 initial state arrives two items ahead by bulk copies that each step warp issues for
 // its own rows, one per row into rows padded by 16 bytes (the 4-byte fragment loads are then free of bank
@@ -42,52 +41,27 @@ namespace kda {
 namespace stream_pass {
 
 constexpr int kStepWarps = 8;  // two warpgroups, 16 state rows each
+constexpr int kPrepWarps = 4;  // one warpgroup
+constexpr int kThreads = (kStepWarps + kPrepWarps) * 32;
+constexpr int kRingStages = 4;   // prepared chunks in flight
 constexpr int kStateStages = 2;  // initial states in flight
+using Ring = RecurrenceSmem<kStepWarps, kRingStages>;
 constexpr int kStateRowBytes = kHeadDim * 2;  // a bf16 state row
 constexpr int kStatePitch = kStateRowBytes + 16;
 constexpr int kStateStageBytes = kHeadDim * kStatePitch;
 
-// The CTA's shape per gate. The preparation is the bound at B64 T16 H32 (docs/PERFORMANCE.md, "Where the stream
-// pass waits"), so the lower-bound gate prepares on two warpgroups: 16 warps of 128 registers at launch, moved by
-// setmaxnreg to 136 for the step warps (the state's 64 fp32 registers per thread and the products') and 120 for
-// the preparing ones. Those need no scratch of their own (prepare_chunk<true, kLowerBound, true>: the raw q and k
-// rows land in the stage's Kd|Qd block, g, Ki and A in its Krᵀ block, whose rows are stored last; the same record
-// bits), so 8 ring stages fit: one per preparing warp. The softplus gate's preparation needs 168 registers and its
-// full scratch (the halves path's cross tiles), so it keeps one preparing warpgroup and no register moves.
-template <GateKind kGate>
-struct StreamShape {
-  static constexpr bool kWide = kGate == GateKind::kLowerBound;
-  static constexpr int kPrepWarps = kWide ? 8 : 4;
-  static constexpr int kThreads = (kStepWarps + kPrepWarps) * 32;
-  static constexpr int kRingStages = kWide ? 8 : 4;  // prepared chunks in flight
-  static constexpr int kScratchBytes = kWide ? 0 : static_cast<int>(sizeof(prep::PrepScratch<kGate>));  // a warp's
-  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // what __launch_bounds__ leaves each thread
-  static constexpr int kStepRegs = 136;                         // setmaxnreg (kWide only)
-  static constexpr int kPrepRegs = 120;
-};
-static_assert(2 * StreamShape<GateKind::kLowerBound>::kStepRegs + 2 * StreamShape<GateKind::kLowerBound>::kPrepRegs <=
-                  4 * StreamShape<GateKind::kLowerBound>::kLaunchRegs,
-              "per sub-partition (two step and two preparing warps) the raised limits fit what the warps were "
-              "launched with (else setmaxnreg.inc waits forever)");
-static_assert(4 * 32 * StreamShape<GateKind::kLowerBound>::kLaunchRegs <= kSubPartitionRegs &&
-                  StreamShape<GateKind::kLowerBound>::kLaunchRegs == 128,
-              "16 warps of 128 registers fill the register file");
-
-template <GateKind kGate>
-using Ring = RecurrenceSmem<kStepWarps, StreamShape<kGate>::kRingStages>;
-
-template <GateKind kGate>
 struct StreamSmem {
-  static constexpr int kStateOffset = (Ring<kGate>::kBytes + 127) / 128 * 128;
+  static constexpr int kStateOffset = (Ring::kBytes + 127) / 128 * 128;
   static constexpr int kStateFullOffset = kStateOffset + kStateStages * kStateStageBytes;
   static constexpr int kStateSlotOffset = kStateFullOffset + kStateStages * 8;  // the stage's slot (int64), or -1
   static constexpr int kScratchOffset = (kStateSlotOffset + kStateStages * 8 + 127) / 128 * 128;
-  // The preparing warps' scratch, and room to align the ring's start.
+  // The preparing warps' scratch (its size depends on the gate), and room to align the ring's start.
+  template <GateKind kGate>
   static constexpr int kLaunchBytes =
-      kScratchOffset + StreamShape<kGate>::kPrepWarps * StreamShape<kGate>::kScratchBytes + 1024;
+      kScratchOffset + kPrepWarps * static_cast<int>(sizeof(prep::PrepScratch<kGate>)) + 1024;
 };
-static_assert(StreamSmem<GateKind::kLowerBound>::kLaunchBytes <= 227 * 1024 &&
-                  StreamSmem<GateKind::kSoftplus>::kLaunchBytes <= 227 * 1024,
+static_assert(StreamSmem::kLaunchBytes<GateKind::kLowerBound> <= 227 * 1024 &&
+                  StreamSmem::kLaunchBytes<GateKind::kSoftplus> <= 227 * 1024,
               "one CTA per SM");
 
 // A step warp's part of loading `item`'s initial state into a stage: warp 0 writes the state slot (its sequence's,
@@ -96,15 +70,14 @@ static_assert(StreamSmem<GateKind::kLowerBound>::kLaunchBytes <= 227 * 1024 &&
 // copies row v_base + i). Each lane's bulk copy is issued on its own (the address is per lane): split over the
 // eight warps, a warp issues 16 instead of 128 (which took warp 0 about half the kernel at B64 T16 H32, Nsight
 // Compute). Copies completing before warp 0's expect-tx leave the stage's phase open: warp 0's arrival is pending.
-template <GateKind kGate, typename InitT>
+template <typename InitT>
 __device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t item, int64_t slot, uint8_t* smem,
                                                  int stage, int warp, int lane) {
-  using Smem = StreamSmem<kGate>;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Smem::kStateFullOffset) + stage;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + StreamSmem::kStateFullOffset) + stage;
   const int h = static_cast<int>(item % p.heads);
   const bool load = std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && slot >= 0;
   if (warp == 0 && lane == 0) {
-    reinterpret_cast<int64_t*>(smem + Smem::kStateSlotOffset)[stage] = slot;
+    reinterpret_cast<int64_t*>(smem + StreamSmem::kStateSlotOffset)[stage] = slot;
     if (load) {
       mbarrier_arrive_expect_tx(full, kHeadDim * kStateRowBytes);
     } else {
@@ -114,7 +87,7 @@ __device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t ite
   if (load && lane < 16) {
     const int row = warp * 16 + lane;
     const auto* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h) + row * kHeadDim;
-    bulk_copy_g2s(smem + Smem::kStateOffset + stage * kStateStageBytes + row * kStatePitch, src,
+    bulk_copy_g2s(smem + StreamSmem::kStateOffset + stage * kStateStageBytes + row * kStatePitch, src,
                   kStateRowBytes, full);
   }
 }
@@ -134,14 +107,9 @@ __device__ __forceinline__ void load_staged_rows(StateRows& s, const uint8_t* st
 // A preparing warp: stream positions r, r + P, ... of the CTA's chunks (its items' chunks in order).
 template <GateKind kGate>
 __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem, int r, int lane) {
-  using Shape = StreamShape<kGate>;
-  using RingSmem = Ring<kGate>;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + RingSmem::kBarrierOffset);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + RingSmem::kEmptyOffset);
-  __nv_bfloat16* scratch = nullptr;  // kWide: the record's Krᵀ block
-  if constexpr (!Shape::kWide) {
-    scratch = (reinterpret_cast<prep::PrepScratch<kGate>*>(smem + StreamSmem<kGate>::kScratchOffset) + r)->kd;
-  }
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ring::kBarrierOffset);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + Ring::kEmptyOffset);
+  auto* scratch = reinterpret_cast<prep::PrepScratch<kGate>*>(smem + StreamSmem::kScratchOffset) + r;
   const int64_t items = p.num_seqs * p.heads;
   const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;
   const auto* v = static_cast<const __nv_bfloat16*>(p.v);
@@ -153,11 +121,11 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
     const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
     const int64_t len = b.eos - b.bos;
     const uint32_t chunks = static_cast<uint32_t>((len + kChunk - 1) / kChunk);
-    for (; pos - item_start < chunks; pos += Shape::kPrepWarps) {
+    for (; pos - item_start < chunks; pos += kPrepWarps) {
       const int64_t c = pos - item_start;
-      const int stage_index = static_cast<int>(pos % Shape::kRingStages);
-      mbarrier_wait_parity_warp(&empty[stage_index], ((pos / Shape::kRingStages) & 1u) ^ 1u);
-      uint8_t* stage = smem + stage_index * RingSmem::kStageBytes;
+      const int stage_index = static_cast<int>(pos % kRingStages);
+      mbarrier_wait_parity_warp(&empty[stage_index], ((pos / kRingStages) & 1u) ^ 1u);
+      uint8_t* stage = smem + stage_index * Ring::kStageBytes;
       const int64_t t0 = b.bos + c * kChunk;
       const int rows = static_cast<int>(min(len - c * kChunk, static_cast<int64_t>(kChunk)));
       // The value rows, 16 bytes per lane and piece (rows past the sequence zero-filled from its first value); the
@@ -167,10 +135,10 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
       for (int i = 0; i < kChunk * kHeadDim / 8 / 32; ++i) {
         const int piece = lane + 32 * i, row = piece / (kHeadDim / 8), col = 8 * (piece % (kHeadDim / 8));
         const bool valid = row < rows;
-        cp_async_16(stage + RingSmem::kValueOffset + row * RingSmem::kValueStride + 2 * col,
+        cp_async_16(stage + Ring::kValueOffset + row * Ring::kValueStride + 2 * col,
                     valid ? v_chunk + row * token_stride + col : v_chunk, valid ? 16 : 0);
       }
-      prep::prepare_chunk<Shape::kWide, kGate, Shape::kWide>(p, h, t0, rows, stage, scratch, lane);
+      prep::prepare_chunk<false, kGate>(p, h, t0, rows, stage, scratch->kd, lane);
       fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
       mbarrier_arrive(&full[stage_index]);
     }
@@ -181,27 +149,24 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
 }  // namespace stream_pass
 
 template <typename InitT, typename FinalT, GateKind kGate, bool kHiLo>
-__global__ void __launch_bounds__(stream_pass::StreamShape<kGate>::kThreads, 1)
-    kda_stream_pass_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(stream_pass::kThreads, 1) kda_stream_pass_kernel(const FwdParams p) {
   using namespace stream_pass;
-  using Shape = StreamShape<kGate>;
-  using Smem = StreamSmem<kGate>;
   extern __shared__ __align__(128) uint8_t dynamic_smem[];
   uint8_t* smem = aligned_ring(dynamic_smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t items = p.num_seqs * p.heads;
 
   const int64_t last_check = last_check_item<false>(p);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * Shape::kThreads + threadIdx.x; i <= last_check;
-       i += static_cast<int64_t>(gridDim.x) * Shape::kThreads) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i <= last_check;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
     check_call_inputs<false>(p, i);
   }
-  uint64_t* ring_full = reinterpret_cast<uint64_t*>(smem + Ring<kGate>::kBarrierOffset);
-  uint64_t* state_full = reinterpret_cast<uint64_t*>(smem + Smem::kStateFullOffset);
+  uint64_t* ring_full = reinterpret_cast<uint64_t*>(smem + Ring::kBarrierOffset);
+  uint64_t* state_full = reinterpret_cast<uint64_t*>(smem + StreamSmem::kStateFullOffset);
   if (threadIdx.x == 0) {
-    for (int st = 0; st < Shape::kRingStages; ++st) {
-      mbarrier_init(&ring_full[st], 32);                                    // every lane of the preparing warp
-      mbarrier_init(&ring_full[Shape::kRingStages + st], kStepWarps * 32);  // every step thread (kEmptyOffset)
+    for (int st = 0; st < kRingStages; ++st) {
+      mbarrier_init(&ring_full[st], 32);                        // every lane of the preparing warp
+      mbarrier_init(&ring_full[kRingStages + st], kStepWarps * 32);  // every step thread (Ring::kEmptyOffset)
     }
     for (int st = 0; st < kStateStages; ++st) mbarrier_init(&state_full[st], 1);
     mbarrier_init_fence();
@@ -209,18 +174,16 @@ __global__ void __launch_bounds__(stream_pass::StreamShape<kGate>::kThreads, 1)
   __syncthreads();
 
   if (warp >= kStepWarps) {
-    if constexpr (Shape::kWide) setmaxnreg_dec<Shape::kPrepRegs>();
     prepare_stream<kGate>(p, smem, warp - kStepWarps, lane);
     return;
   }
-  if constexpr (Shape::kWide) setmaxnreg_inc<Shape::kStepRegs>();
 
   const int gi = lane >> 2, ti = lane & 3;
   const int v_base = warp * 16;
   const int64_t stride = gridDim.x;
   for (int st = 0; st < kStateStages; ++st) {
     const int64_t first = blockIdx.x + st * stride;
-    if (first < items) start_state_load<kGate, InitT>(p, first, state_slot(p, first / p.heads), smem, st, warp, lane);
+    if (first < items) start_state_load<InitT>(p, first, state_slot(p, first / p.heads), smem, st, warp, lane);
   }
   int state_stage = 0;
   uint32_t state_phase = 0;
@@ -232,11 +195,11 @@ __global__ void __launch_bounds__(stream_pass::StreamShape<kGate>::kThreads, 1)
     const int64_t chunks = (b.eos - b.bos + kChunk - 1) / kChunk;
 
     mbarrier_wait_parity_warp(&state_full[state_stage], state_phase);
-    const int64_t slot = reinterpret_cast<const int64_t*>(smem + Smem::kStateSlotOffset)[state_stage];
+    const int64_t slot = reinterpret_cast<const int64_t*>(smem + StreamSmem::kStateSlotOffset)[state_stage];
     StateRows s;
     if (p.initial_state != nullptr && slot >= 0) {
       if constexpr (std::is_same_v<InitT, __nv_bfloat16>) {
-        load_staged_rows(s, smem + Smem::kStateOffset + state_stage * kStateStageBytes, v_base, gi, ti);
+        load_staged_rows(s, smem + StreamSmem::kStateOffset + state_stage * kStateStageBytes, v_base, gi, ti);
       } else {
         load_rows<InitT>(s, static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h), v_base, gi, ti);
       }
@@ -253,13 +216,12 @@ __global__ void __launch_bounds__(stream_pass::StreamShape<kGate>::kThreads, 1)
     if (refill_item < items) refill_bits = load_slot_bits(p, refill_item / p.heads);
     if (++state_stage == kStateStages) state_stage = 0, state_phase ^= 1u;
 
-    ring = run_chunks<kStepWarps, true, true, true, kHiLo, Shape::kRingStages, false, NoChunkEnd, true>(
+    ring = run_chunks<kStepWarps, true, true, true, kHiLo, kRingStages, false, NoChunkEnd, true>(
         p, smem, ring_full, n, h, b, 0, chunks, v_base, s, NoChunkEnd{}, static_cast<int>(ring & 0xFFFFu),
         ring >> 16);
 
     if (refill_item < items) {
-      start_state_load<kGate, InitT>(p, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage, warp,
-                                     lane);
+      start_state_load<InitT>(p, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage, warp, lane);
     }
     if (p.final_state != nullptr && slot >= 0) {
       store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
@@ -273,12 +235,11 @@ void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream) {
     with_hi_lo(p.lower_bound, [&](auto hi_lo) {
       constexpr auto kernel = kda_stream_pass_kernel<InitT, FinalT, decltype(gate)::value, decltype(hi_lo)::value>;
       const int sms = current_sm_count();
-      constexpr int kSmemBytes = stream_pass::StreamSmem<decltype(gate)::value>::kLaunchBytes;
+      constexpr int kSmemBytes = stream_pass::StreamSmem::kLaunchBytes<decltype(gate)::value>;
       opt_in_dynamic_smem<kernel>(kSmemBytes);
       const int64_t items = p.num_seqs * p.heads;
       const int64_t grid = items < sms ? items : sms;
-      kernel<<<static_cast<unsigned>(grid), stream_pass::StreamShape<decltype(gate)::value>::kThreads, kSmemBytes,
-               stream>>>(p);
+      kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, kSmemBytes, stream>>>(p);
       KDA_CHECK_LAUNCH("kda_stream_pass_kernel");
     });
   });

@@ -520,14 +520,10 @@ def _decode() -> list[Case]:
         cases.append(Case("decode", H=32, B=8, T=1, inplace_state=True, state_dtype=dt))
         cases.append(Case("decode", H=4, seqlens=(3, 0, 16, 1), inplace_state=True, state_dtype=dt))
         cases.append(Case("decode", H=4, seqlens=(1, 2, 3, 5, 8, 15), cu_seqlens_int32=True, state_dtype=dt))
-        # Many more (sequence, head) items than persistent CTAs: each CTA walks dozens of items of 0 to 7 tokens
-        # (the stream pass with a bf16 state, the token kernel with fp32).
+        # Many more (sequence, head) items than persistent CTAs: each CTA walks dozens of items of 0 to 7 tokens.
         cases.append(Case("decode", H=16, seqlens=DECODE_MANY_SEQLENS, inplace_state=True, state_dtype=dt))
         # A decode batch padded to a CUDA graph's size: empty sequences and padding tokens past cu_seqlens[-1].
         cases.append(Case("decode", H=4, seqlens=(1, 0, 1, 1, 0), tail_tokens=2, inplace_state=True, state_dtype=dt))
-    # The warp-specialised token kernel over dozens of items per CTA (the softplus gate keeps it on such calls).
-    cases.append(Case("decode", H=16, seqlens=DECODE_MANY_SEQLENS, inplace_state=True, state_dtype="bf16",
-                      gate="softplus"))
     for init, final in (("bf16", "fp32"), ("fp32", "bf16")):
         for params in ("fp32", "bf16", "fp16"):
             cases.append(Case("decode", H=4, T=5, state_dtype=init, final_dtype=final, param_dtype=params))
@@ -535,17 +531,12 @@ def _decode() -> list[Case]:
 
 
 def _stream_pass_cases() -> list[Case]:
-    """The stream pass's calls (kda_plan.h, stream_pass_runs: no per-token states, checkpoints or fp32 final state,
-    at least one (sequence, head) item per SM; 16 tokens per sequence, or with the lower-bound gate and 8 items per
-    SM 2 to 16 on average). B8 T16 H32 (256 items): a bf16 pool in place with a padding row, dense states of every kind it takes
-    (a bf16 final state or none, a bf16 or fp32 initial state or none), the slow-decay product, the softplus gate
-    with grouped value heads and negative eigenvalues; and an fp32 final state, which stays on the chunk step.
-    Shorter sequences (the lower-bound gate, at least 8 items per SM: 40 sequences at H32, 1,280 items): varlen
-    batches of 4 tokens each and of mixed lengths with empty and one-token sequences, a 100-token sequence hidden
-    among one-token ones (7 chunks of one item), padding tokens past the last sequence, a fixed-length T4 batch; the
-    softplus gate's varlen batch, which stays on the token kernel."""
+    """The stream pass's calls (kda_plan.h, stream_pass_runs: 16 tokens per sequence, no fp32 final state, at least
+    one (sequence, head) item per SM), B8 T16 H32 (256 items): a bf16 pool in place with a padding row, dense states
+    of every kind it takes (a bf16 final state or none, a bf16 or fp32 initial state or none), the slow-decay
+    product, the softplus gate with grouped value heads and negative eigenvalues; and an fp32 final state, which
+    stays on the chunk step."""
     shape = dict(H=32, B=8, T=16)
-    fours, mixed = dict(H=32, seqlens=(4,) * 40), dict(H=32, seqlens=(1, 2, 3, 5, 8, 15, 4, 2, 16, 0) * 4)
     return [
         Case("decode", **shape, state_dtype="bf16", inplace_state=True, pool=12, padding=1),
         Case("decode", **shape, state_dtype="bf16"),
@@ -557,13 +548,6 @@ def _stream_pass_cases() -> list[Case]:
         Case("decode", **shape, state_dtype="bf16", lower_bound=-1.0),
         Case("decode", **shape, state_dtype="bf16", gate="softplus", G=2, neg_eigval=True),
         Case("decode", **shape, state_dtype="fp32"),
-        Case("decode", **fours, state_dtype="bf16", inplace_state=True, pool=44, padding=1),
-        Case("decode", **fours, state_io="no_state", tail_tokens=3),
-        Case("decode", **mixed, state_dtype="bf16"),
-        Case("decode", **mixed, state_dtype="fp32", final_dtype="bf16", G=2, neg_eigval=True),
-        Case("decode", H=32, seqlens=(100,) + (1,) * 39, state_dtype="bf16", inplace_state=True, pool=40),
-        Case("decode", H=32, B=40, T=4, state_io="out_only", state_dtype="bf16", lower_bound=-1.0),
-        Case("decode", **fours, state_dtype="bf16", gate="softplus"),
     ]
 
 
@@ -1087,13 +1071,12 @@ def plan_args(inputs: dict) -> dict:
 
 def stream_pass_route(case: Case, sm_count: int) -> bool:
     """Whether a decode plan runs ``case`` on the stream pass at ``sm_count`` SMs (planning.stream_pass_runs, from
-    the case's shape: all T tokens, padding included; (sequence, value head) items)."""
+    the case's shape; (sequence, value head) items)."""
     from flash_kda import planning  # noqa: PLC0415
 
     fp32_final = case.has_final and (case.final_dtype or case.state_dtype) == "fp32"
     return planning.stream_pass_runs(case.varlen, case.T, fp32_final=fp32_final, items=case.num_seqs * case.H,
-                                     sm_count=sm_count, total_tokens=case.B * case.T, num_seqs=case.num_seqs,
-                                     gate=case.gate)
+                                     sm_count=sm_count)
 
 
 def twin_args(inputs: dict) -> dict:

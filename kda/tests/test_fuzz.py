@@ -5,7 +5,7 @@ the GPU a forced plan of every kind.
 
 - GPU (marker ``gpu``): GPU_CASES calls, each bit for bit against ``numerics.twin_forward`` (out, and the whole
   final pool or state: untouched slots keep their poison) with the inputs unchanged; and STREAM_CASES decode-shaped
-  calls of many short sequences (at least 8 items per SM of an H100 or H200) that take the stream pass, likewise.
+  calls of many 16-token sequences (an item per SM of an H100 or H200) that take the stream pass, likewise.
 - CPU (runs in CI): CPU_CASES calls of the CPU path against the float64 reference (pools through the references'
   own gather and scatter), within the CPU path's bounds (test_cpu_path.py: out within 1.01 × the bf16 rounding
   floor, an fp32 state within 1e-6; under the softplus gate within 5e-5, test_softplus_numerics.py's bound).
@@ -37,12 +37,10 @@ FP32_STATE_REL_L2 = 1e-6  # test_cpu_path.py: measured worst 3.4e-7
 # a few ulp of that magnitude, not of the decay's effect.
 SOFTPLUS_FP32_STATE_REL_L2 = 5e-5
 SEQLEN_CHOICES = (0, 1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 64, 100, 130)
-# The stream pass's calls (kda_plan.h, stream_pass_runs): 2 to 16 tokens per sequence on average, at least 8
-# (sequence, value head) items per SM: 1,152 items covers 144 SMs (an H100 or H200 has 132).
+# The stream pass's calls (kda_plan.h, stream_pass_runs): fixed-length sequences of 16 tokens, at least one
+# (sequence, value head) item per SM: 144 items covers 144 SMs (an H100 or H200 has 132).
 STREAM_CASES = 12
-STREAM_MIN_ITEMS = 8 * 144
-STREAM_SEQLEN_CHOICES = (0, 1, 1, 2, 3, 4, 4, 5, 8, 15, 16, 17, 33, 100)
-STREAM_SHORT_CHOICES = (0, 1, 1, 1, 2, 2, 3, 4, 5, 8)  # half the varlen draws: a decode batch of a few tokens
+STREAM_MIN_ITEMS = 144
 
 
 def random_case(i: int, *, gpu: bool) -> matrix.Case:
@@ -98,32 +96,17 @@ def random_case(i: int, *, gpu: bool) -> matrix.Case:
 
 
 def random_stream_case(j: int) -> matrix.Case:
-    """Stream-pass case j (its own seeded generator): many sequences averaging 2 to 16 tokens (varlen with empty,
-    one-token and a few long ones, padding tokens past the last; or fixed-length T2 to T16), pools with padding
-    rows and in place, dense states of each dtype the stream pass takes, the lower-bound gate (the softplus gate on
-    fixed T16, the one shape it takes there), negative eigenvalues and grouped value heads."""
+    """Stream-pass case j (its own seeded generator): a few hundred to a few thousand 16-token (sequence, head)
+    items, pools with padding rows and in place, dense states of each dtype the stream pass takes, both gates,
+    negative eigenvalues and grouped value heads."""
     rng = random.Random(f"{SEED}:stream:{j}")
     G = rng.choice((1, 1, 2))
     H = G * rng.choice((8, 16, 32))
-    N = -(-STREAM_MIN_ITEMS // H) + rng.randint(0, 24)
-    fields: dict = dict(lower_bound=rng.choice((-5.0, -4.0, -3.99, -1.0, -0.01)), neg_eigval=rng.random() < 0.3, G=G)
-    if rng.random() < 0.6:
-        choices = STREAM_SHORT_CHOICES if rng.random() < 0.5 else STREAM_SEQLEN_CHOICES
-        seqlens = [rng.choice(choices) for _ in range(N)]
-        while sum(seqlens) < 2 * N:  # 2 tokens per sequence on average at least
-            seqlens[rng.randrange(N)] += 1
-        while sum(seqlens) > 16 * N:
-            seqlens[seqlens.index(max(seqlens))] //= 2
-        shape = dict(seqlens=tuple(seqlens), tail_tokens=rng.choice((0, 0, 3, 17)))
-        tokens = sum(seqlens) + shape["tail_tokens"]
-        if tokens > 16 * N:
-            shape["tail_tokens"] = 0
-    else:
-        shape = dict(B=N, T=rng.choice((2, 3, 4, 5, 8, 15, 16)))
-        if shape["T"] == 16 and rng.random() < 0.5:
-            fields["gate"] = "softplus"
+    N = -(-STREAM_MIN_ITEMS // H) + rng.randint(0, 80)
+    fields: dict = dict(lower_bound=rng.choice((-5.0, -4.0, -3.99, -1.0, -0.01)), neg_eigval=rng.random() < 0.3, G=G,
+                        gate="softplus" if j % 3 == 1 else "lower_bound")
     # The state by j % 4: a bf16 pool (padding rows, in place or two pools), dense states in and out (a bf16
-    # final state: an fp32 one keeps the token kernels), one of them, none.
+    # final state: an fp32 one keeps the chunk step), one of them, none.
     state_io = ("in+out", "in+out", rng.choice(("in_only", "out_only")), "no_state")[j % 4]
     fields.update(state_io=state_io, state_dtype="bf16" if j % 4 == 0 or state_io == "out_only"
                   else rng.choice(("bf16", "fp32")))
@@ -133,7 +116,7 @@ def random_stream_case(j: int) -> matrix.Case:
                       indices_int32=rng.random() < 0.5, indices_on_host=rng.random() < 0.4)
     elif state_io == "in+out" and fields["state_dtype"] == "fp32":
         fields["final_dtype"] = "bf16"
-    return matrix.Case("pool" if fields.get("pool") else "decode", H=H, **shape, **fields,
+    return matrix.Case("pool" if fields.get("pool") else "decode", H=H, B=N, T=16, **fields,
                        seed=rng.randrange(1 << 31))
 
 
@@ -246,13 +229,11 @@ def test_fuzz_draws_every_kind() -> None:
 
 
 def test_fuzz_stream_draws_take_the_stream_pass() -> None:
-    """Every stream-pass draw takes the stream pass at 132 and at 144 SMs, and the draws cover varlen (with long
-    and empty sequences and padding tokens) and fixed lengths, pools with padding in place, both initial-state
-    dtypes, no state, the softplus gate, negative eigenvalues and grouped value heads."""
+    """Every stream-pass draw takes the stream pass at 132 and at 144 SMs, and the draws cover pools with padding
+    in place, host indices, both initial-state dtypes, no state, both gates, negative eigenvalues and grouped value
+    heads."""
     cases = [random_stream_case(j) for j in range(STREAM_CASES)]
     assert all(matrix.stream_pass_route(c, sms) for c in cases for sms in (132, 144)), [c.id for c in cases]
-    assert any(c.varlen and c.tail_tokens for c in cases) and any(not c.varlen for c in cases)
-    assert any(c.varlen and 0 in c.seqlens and 1 in c.seqlens and max(c.seqlens) > 16 for c in cases)
     assert any(c.pool and c.padding and c.inplace_state for c in cases)
     assert any(c.pool and c.indices_on_host for c in cases)
     assert {c.state_dtype for c in cases} >= {"bf16", "fp32", "none"}

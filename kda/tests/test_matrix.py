@@ -48,10 +48,9 @@ WINDOW_REL_L2 = 1.2e-2  # MEASURED: worst 5.8e-3
 # sequences get from the chunked kernels (out ≈ 4.0e-3, state 2.8-3.4e-3, docs/NUMERICS.md), asked for in the
 # issue that added the kernel. Its fp32 state never passes through bf16 operands, so what remains is the rounding
 # of out (and of a bf16 final state) to bf16: ≈ 1.7e-3 for out (docs/NUMERICS.md, "The decode kernel"). The
-# stream pass's calls (an item per SM, no fp32 final state; 16 tokens per sequence, or with the lower-bound gate and
-# 8 items per SM 2 to 16 on average) run the chunked arithmetic instead: out ≈ 4.0e-3 and bf16 state ≈ 3.3e-3 without an initial
-# state (estimated on the CPU with bf16 operands: docs/PERFORMANCE.md, "The stream pass", "The stream pass on
-# short sequences").
+# stream pass's calls (16 tokens per sequence, an item per SM, no fp32 final state) run the chunked arithmetic
+# instead: out ≈ 4.0e-3 and bf16 state ≈ 3.3e-3 without an initial state (B8 T16 H32, estimated on the CPU with
+# bf16 operands: docs/PERFORMANCE.md, "The stream pass").
 DECODE_OUT_REL_L2 = 4.5e-3
 DECODE_STATE_REL_L2 = {torch.bfloat16: 3.5e-3, torch.float32: 3.0e-3}  # by final_state's dtype
 # The softplus gate (g + dt_bias up to ±50, A_log up to ln 16) in the option slices (matrix.OPTION_SLICES), under

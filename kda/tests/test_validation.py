@@ -830,14 +830,13 @@ def test_padded_call_plans_all_its_tokens_wherever_cu_seqlens_is():
 
 @pytest.mark.gpu
 def test_padded_decode_call_takes_one_kernel_wherever_cu_seqlens_is():
-    """The decode plan's kernel choice counts all T tokens too: 128 one-token sequences padded to T = 256 at H32
-    average 2 tokens and take the stream pass (kda_plan.h, stream_pass_runs) with cu_seqlens on the host as on the
-    device: both give the bits of the chunked arithmetic without a time split, the stream pass's."""
+    """The decode plan's kernel choice counts all T tokens too: 128 one-token sequences padded to T = 2048 at H32
+    average 16 tokens and take the chunk step (kda_plan.h, decode_chunk_runs) with cu_seqlens on the host as on the
+    device: both give the twin's bits for the whole padded shape."""
     from flash_kda import numerics
 
-    heads, T, N = 32, 256, 128
-    assert planning.stream_pass_runs(True, T, fp32_final=False, items=N * heads, total_tokens=T, num_seqs=N,
-                                     sm_count=planning.sm_count_of(torch.cuda.current_device()))
+    heads, T, N = 32, 2048, 128
+    assert planning.decode_chunk_runs(T, N) and not planning.decode_chunk_runs(N, N)
     gen = torch.Generator().manual_seed(12)
     x = {n: torch.randn(1, T, heads, D, generator=gen).to(torch.bfloat16).cuda() for n in ("q", "k", "v", "g")}
     x["beta"] = torch.randn(1, T, heads, generator=gen).to(torch.bfloat16).cuda()
@@ -854,7 +853,7 @@ def test_padded_decode_call_takes_one_kernel_wherever_cu_seqlens_is():
     torch.cuda.synchronize()
     assert flash_kda.last_error() is None
     twin_out, twin_fin = numerics.twin_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, A_log, dt_bias,
-                                               -5.0, init, cu.cuda(), segment_chunks=0, decode=False)
+                                               -5.0, init, cu.cuda(), decode=True, final_dtype=torch.bfloat16)
     for out, fin in results:
         assert torch.equal(out[:, :N], twin_out[:, :N]) and torch.equal(fin, twin_fin.to(fin.dtype))
         assert torch.isnan(out[:, N:].float()).all()
@@ -1901,57 +1900,39 @@ def test_decode_chunk_step_choice():
 
 
 def test_stream_pass_choice():
-    """Under a decode plan the stream pass runs calls without per-token states, checkpoints or an fp32 final state,
-    of at least one (sequence, head) item per SM, whose sequences have exactly 16 tokens (fixed-length, either gate)
-    or, with the lower-bound gate, 2 to 16 tokens on average and at least 8 items per SM (kda_plan.h,
+    """Under a decode plan the stream pass runs fixed-length calls of exactly 16 tokens per sequence without per-token
+    states, checkpoints or an fp32 final state, of at least one (sequence, head) item per SM (kda_plan.h,
     stream_pass_runs); every other call keeps the decode kernels."""
     from flash_kda import planning
 
-    def runs(varlen=False, seqlen=16, state_tokens=0, checkpoints=False, fp32_final=False, items=64 * 32, sms=132,
-             total_tokens=None, num_seqs=64, gate="lower_bound"):
-        total = seqlen * num_seqs if total_tokens is None else total_tokens
+    def runs(varlen=False, seqlen=16, state_tokens=0, checkpoints=False, fp32_final=False, items=64 * 32, sms=132):
         return planning.stream_pass_runs(varlen, seqlen, state_tokens, checkpoints, fp32_final=fp32_final,
-                                         items=items, sm_count=sms, total_tokens=total, num_seqs=num_seqs, gate=gate)
+                                         items=items, sm_count=sms)
 
     assert runs()
-    assert runs(gate="softplus")
     assert runs(items=132)
     assert not runs(items=131)
     assert not runs(items=32)  # one sequence of 32 heads: the decode slice's small cases stay on the chunk step
     assert not runs(fp32_final=True)
+    assert not runs(varlen=True)
+    assert not runs(seqlen=15)
+    assert not runs(seqlen=1)
     assert not runs(state_tokens=4)
     assert not runs(checkpoints=True)
     assert not runs(items=0, sms=0)
-    # Shorter sequences: the lower-bound gate only, from 2 tokens per sequence on average, fixed or varlen, with
-    # at least 8 items per SM.
-    assert runs(seqlen=15) and runs(seqlen=2) and runs(seqlen=4, gate="lower_bound")
-    assert runs(seqlen=4, items=8 * 132) and not runs(seqlen=4, items=8 * 132 - 1)
-    assert runs(seqlen=16, items=132)  # (16 tokens: from one item per SM)
-    assert not runs(seqlen=1)
-    assert not runs(seqlen=4, gate="softplus")
-    assert runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 32)  # varlen 128 x 4
-    assert runs(varlen=True, seqlen=1024, total_tokens=1024, num_seqs=64)  # 16 on average
-    assert not runs(varlen=True, seqlen=1040, total_tokens=1040, num_seqs=64)  # more than 16 on average
-    assert not runs(varlen=True, seqlen=127, total_tokens=127, num_seqs=64)  # fewer than 2 on average
-    assert not runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 32, gate="softplus")
-    assert not runs(varlen=True, seqlen=512, total_tokens=512, num_seqs=128, items=128 * 8)
     with pytest.raises(ValueError, match="items"):
         runs(items=-1)
-    with pytest.raises(ValueError, match="gate"):
-        runs(gate="sigmoid")
 
 
 def test_stream_pass_cases_take_the_route_they_name():
     """The matrix's stream-pass cases reach the stream pass on a 132-SM H100 or H200 (every one but the fp32 final
-    state and the softplus gate's short sequences), so a route that broke alike in the kernel and the twin cannot
-    leave the matrix green on the token kernels."""
+    state), so a route that broke alike in the kernel and the twin cannot leave the matrix green on the chunk step."""
     import matrix
 
     cases = matrix._stream_pass_cases()
     stays = [c for c in cases if not matrix.stream_pass_route(c, 132)]
-    assert [(c.final_dtype or c.state_dtype, c.gate, c.T) for c in stays] == [("fp32", "lower_bound", 16),
-                                                                              ("bf16", "softplus", 160)]
-    assert len(cases) - len(stays) == 15
+    assert [(c.final_dtype or c.state_dtype, c.gate, c.T) for c in stays] == [("fp32", "lower_bound", 16)]
+    assert len(cases) - len(stays) == 9
 
 
 @pytest.mark.parametrize(

@@ -964,7 +964,7 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
                 q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial, cu_seqlens, kernel_arithmetic(),
                 segment_chunks, gate_kind, beta_scale, entries)
         return _forward_on(initial_state, final_state, state_indices, forward, checkpoint_slots=slots)
-    if decode and not per_token and _stream_pass_runs(v, cu_seqlens, final_dtype, gate_kind):
+    if decode and not per_token and _stream_pass_runs(v, cu_seqlens, final_dtype):
         decode = False  # the stream pass: the chunked arithmetic, no time split
         segment_chunks = 0
     if decode and not per_token and planning.decode_chunk_runs(v.shape[0] * v.shape[1], len(
@@ -982,14 +982,13 @@ def twin_forward(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, initial_s
     ), **per_token)
 
 
-def _stream_pass_runs(v, cu_seqlens, final_dtype, gate_kind: str) -> bool:
+def _stream_pass_runs(v, cu_seqlens, final_dtype) -> bool:
     """Whether ``fwd``'s decode plan runs the stream pass for a call with values ``v`` (planning.stream_pass_runs)
     and a final state of ``final_dtype`` (a ValueError where that decides and was not given)."""
-    num_seqs = v.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    items = (v.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1) * v.shape[2]
     device = v.device.index if v.device.index is not None else torch.cuda.current_device()
-    route = functools.partial(planning.stream_pass_runs, cu_seqlens is not None, v.shape[1],
-                              items=num_seqs * v.shape[2], sm_count=planning.sm_count_of(device),
-                              total_tokens=v.shape[0] * v.shape[1], num_seqs=num_seqs, gate=gate_kind)
+    route = functools.partial(planning.stream_pass_runs, cu_seqlens is not None, v.shape[1], items=items,
+                              sm_count=planning.sm_count_of(device))
     if not route(fp32_final=False):
         return False
     if final_dtype is _UNSAID:

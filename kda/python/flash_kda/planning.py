@@ -113,22 +113,15 @@ def decode_chunk_runs(total_tokens: int, num_seqs: int, state_tokens: int = 0) -
 
 
 def stream_pass_runs(varlen: bool, seqlen: int, state_tokens: int = 0, checkpoints: bool = False, *,
-                     fp32_final: bool, items: int, sm_count: int, total_tokens: int, num_seqs: int,
-                     gate: str = "lower_bound") -> bool:
+                     fp32_final: bool, items: int, sm_count: int) -> bool:
     """Whether a decode plan runs the stream pass (stream_pass.cuh), whose arithmetic is the chunked plans', for a
-    call of ``total_tokens`` tokens over ``num_seqs`` sequences (``varlen``: with cu_seqlens; otherwise of
-    ``seqlen`` tokens each): no per-token states or checkpoints, no fp32 final state, at least as many (sequence,
-    head) ``items`` as the GPU's ``sm_count`` SMs, and sequences of exactly 16 tokens (fixed-length, either gate)
-    or, with the lower-bound gate and at least 8 items per SM, of 2 to 16 tokens on average
-    (``kda::stream_pass_runs``); otherwise
-    ``decode_chunk_runs`` decides."""
-    if not isinstance(gate, str) or gate not in GATE_CODES:
-        raise ValueError(f"gate must be one of {list(GATE_CODES)}, got {gate=}")
+    call: fixed-length sequences of exactly 16 tokens without per-token states or checkpoints, no fp32 final state,
+    and at least as many (sequence, head) ``items`` as the GPU's ``sm_count`` SMs (``kda::stream_pass_runs``);
+    otherwise ``decode_chunk_runs`` decides."""
     return bool(_ext.load().stream_pass_runs(bool(varlen), _count("seqlen", seqlen),
-                                             _count("total_tokens", total_tokens), _count("num_seqs", num_seqs),
                                              _count("state_tokens", state_tokens, 2**31), bool(checkpoints),
                                              bool(fp32_final), _count("items", items),
-                                             _count("sm_count", sm_count, 2**31), GATE_CODES[gate]))
+                                             _count("sm_count", sm_count, 2**31)))
 
 
 def _count(name: str, value, limit: int = 2**63) -> int:
