@@ -1,5 +1,6 @@
-"""Estimates, without a GPU, the error against float64 of the chunked plans' arithmetic on short sequences (the
-stream pass's calls), per decode-slice shape and state configuration, over several seeds (fixed-length, --T).
+"""Estimates, without a GPU, the error against float64 of the chunked plans' arithmetic on short fixed-length
+sequences (--T; the stream pass's calls are T = 16), per decode-slice shape and state configuration, over several
+seeds.
 
 The twin's exact arithmetic needs CUDA (its exp2, sigmoid and products come from the extension); this stands in
 for it on the CPU with the same operand rounding (tensor-core operands rounded to bf16, fp32 accumulation) and
