@@ -9,9 +9,9 @@
 #   KDA_BENCH      bench_fwd arguments   (default: --peers=moonshot)
 #   KDA_PROFILE    profile_kernels arguments (default: --cases=0,2,3,7 --iters=5)
 #   KDA_VARIANT    PATH=FILE[,PATH=FILE...]: after the benchmark, rebuild with the tree's PATH replaced by FILE
-#                  (e.g. kda/csrc/decode.cu=/tmp/decode_v20.cu), run the same benchmark on it (bench_variantN.*),
-#                  then put PATH back (bazel-bin keeps the last variant's build): several kernels measured on one
-#                  machine; the summary shows each variant's CUDA-graph table
+#                  (e.g. kda/csrc/decode.cu=/tmp/decode_v20.cu), run the same benchmark (bench_variantN.*) and
+#                  profile (profile_variantN.log) on it, then put PATH back: several kernels measured on one
+#                  machine; the summary shows each variant's CUDA-graph table and stage times
 #   KDA_PEERS=1    build the peers first (bash .peers/build_peers.sh: a git-ignored script that installs
 #                  them into /tmp/peers-site, docs/PERFORMANCE.md "Reproducing it") in the background
 #   TRITON_CACHE_DIR  fla's Triton/autotuning cache (default /tmp/kda-triton-cache). fla autotunes 70-100 s per
@@ -86,19 +86,26 @@ fi
 
 variants="${KDA_VARIANT:-}"
 vi=0
+profile="${KDA_PROFILE---cases=0,2,3,7 --iters=5}"
 for variant in ${variants//,/ }; do
-  [[ -n "${bench}" ]] || break
+  [[ -n "${bench}${profile}" ]] || break
   vi=$((vi + 1))
   target="${variant%%=*}"
   other="${variant#*=}"
   cp "${target}" "${out}/variant_original"
   cp "${other}" "${target}"
-  stamp "variant ${vi}: ${target} from ${other}: build and bench_fwd ${bench}"
+  stamp "variant ${vi}: ${target} from ${other}: build, bench_fwd ${bench}, profile_kernels ${profile}"
   if "${bazel}" build --config=ptxas //kda:py //kda/bench:all > "${out}/variant${vi}_build.log" 2>&1; then
-    # shellcheck disable=SC2086
-    "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant${vi}.json" \
-      --markdown="${out}/bench_variant${vi}.md" > "${out}/bench_variant${vi}.log" 2>&1
-    echo "bench exit status $?" >> "${out}/bench_variant${vi}.log"
+    if [[ -n "${bench}" ]]; then
+      # shellcheck disable=SC2086
+      "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant${vi}.json" \
+        --markdown="${out}/bench_variant${vi}.md" > "${out}/bench_variant${vi}.log" 2>&1
+      echo "bench exit status $?" >> "${out}/bench_variant${vi}.log"
+    fi
+    if [[ -n "${profile}" ]]; then
+      # shellcheck disable=SC2086
+      "${bazel}" run //kda/bench:profile_kernels -- ${profile} > "${out}/profile_variant${vi}.log" 2>&1
+    fi
   else
     tail -20 "${out}/variant${vi}_build.log"
   fi
@@ -113,7 +120,6 @@ if [[ -n "${KDA_SAVE_TRITON_CACHE:-}" && -d "${TRITON_CACHE_DIR}" ]]; then
   stamp "packed the Triton cache: $(ls "${KDA_SAVE_TRITON_CACHE}"/triton-cache.part-* | wc -l) part(s)"
 fi
 
-profile="${KDA_PROFILE---cases=0,2,3,7 --iters=5}"
 if [[ -n "${profile}" ]]; then
   stamp "profile_kernels ${profile}"
   # shellcheck disable=SC2086
@@ -136,8 +142,10 @@ fi
 vi=0
 for variant in ${variants//,/ }; do
   vi=$((vi + 1))
+  echo "---- variant ${vi}: ${variant}"
   [[ -f "${out}/bench_variant${vi}.log" ]] &&
-    { echo "---- variant ${vi}: ${variant}"; sed -n '/^## Decode rows replayed/,/^$/p' "${out}/bench_variant${vi}.log"; }
+    sed -n -e '/^## Speed/,/^$/p' -e '/^## Decode rows replayed/,/^$/p' "${out}/bench_variant${vi}.log"
+  [[ -f "${out}/profile_variant${vi}.log" ]] && grep "^|" "${out}/profile_variant${vi}.log"
 done
-[[ -f "${out}/profile.log" ]] && grep "^|" "${out}/profile.log"
+[[ -f "${out}/profile.log" ]] && { echo "---- the tree"; grep "^|" "${out}/profile.log"; }
 exit "${test_rc}"
