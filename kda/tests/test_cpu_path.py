@@ -841,10 +841,10 @@ def test_cpu_autocast_leaves_the_fp32_path_alone():
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
 def test_a_non_finite_input_stays_in_its_sequence_and_head(name: str) -> None:
-    """Inputs are not checked for NaN or ±Inf (README, "Guarantees"): one at token 20 of the first of two sequences
-    (40 tokens each) reaches at most that sequence's rows from the start of its 16-token chunk (token 16; its own
-    row alone for q) and that sequence's final state; the other sequence, the other head and the earlier rows are
-    the call's without it, bit for bit."""
+    """Inputs are not checked for NaN or ±Inf (docs/SPEC.md §3, "Guarantees"): one at token 20 of the first of two
+    sequences (40 tokens each) reaches at most that sequence's rows from the start of its 16-token chunk (token 16;
+    its own row alone for q) and that sequence's final state; the other sequence, the other head and the earlier rows
+    are the call's without it, bit for bit."""
     T, H, bad = 80, 2, 20
     gen = torch.Generator().manual_seed(5)
     bf = torch.bfloat16

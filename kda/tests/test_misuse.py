@@ -1,6 +1,6 @@
 """flash_kda.fwd under misuse: the calls a careless or hostile caller makes, and what they must get.
 
-Each test pins one guarantee of the README's "Guarantees" section:
+Each test pins one guarantee of docs/SPEC.md §3, "Guarantees":
 - arguments the kernel cannot honour are refused before any kernel runs, by name: a scale that is not finite in
   fp32, more heads than a launch grid holds, outputs that overlap inputs or each other (only a final state that is
   the initial state, the same memory from the same first byte, may alias);
