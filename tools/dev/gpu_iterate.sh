@@ -10,8 +10,9 @@
 #   KDA_PROFILE    profile_kernels arguments (default: --cases=0,2,3,7 --iters=5)
 #   KDA_VARIANT    PATH=FILE[,PATH=FILE...]: after the benchmark, rebuild with the tree's PATH replaced by FILE
 #                  (e.g. kda/csrc/decode.cu=/tmp/decode_v20.cu), run the same benchmark (bench_variantN.*) and
-#                  profile (profile_variantN.log) on it, then put PATH back: several kernels measured on one
-#                  machine; the summary shows each variant's CUDA-graph table and stage times
+#                  profile (profile_variantN.log) on it, then put PATH back (bazel-bin keeps the last variant's
+#                  build unless KDA_PROFILE rebuilds the tree after): several kernels measured on one machine; the
+#                  summary shows each variant's CUDA-graph table and stage times
 #   KDA_PEERS=1    build the peers first (bash .peers/build_peers.sh: a git-ignored script that installs
 #                  them into /tmp/peers-site, docs/PERFORMANCE.md "Reproducing it") in the background
 #   TRITON_CACHE_DIR  fla's Triton/autotuning cache (default /tmp/kda-triton-cache). fla autotunes 70-100 s per
