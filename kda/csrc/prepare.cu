@@ -26,8 +26,7 @@ using prep::prepare_fixed_chunk;
 // are capped at 128 to match 16. CTAs of 8 rather than 2 warps keep an SM's warps on two stretches of the
 // (long, unrolled) code instead of eight, which the instruction cache rewards: 0.441 → 0.390 ms at T8192 H96.
 // The softplus gate's preparation (its anchored products) needs more registers: 3 CTAs of 4 warps per SM at up to
-// 168 registers; its 12 warps as 2 CTAs of 6 or 1 of 12 ran 5 % and 10 % slower (docs/PERFORMANCE.md). Its
-// scratch is 18 KB a warp (the halves path's cross tiles): 3 CTAs take 216 KB of the SM's 228.
+// 168 registers; its 12 warps as 2 CTAs of 6 or 1 of 12 ran 5 % and 10 % slower (docs/PERFORMANCE.md).
 template <GateKind kGate>
 struct PrepShape {
   static constexpr int kWarps = kGate == GateKind::kSoftplus ? 4 : 8;
@@ -65,7 +64,7 @@ __device__ __forceinline__ void prepare_item(const FwdParams& p, int64_t item, i
   const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
 
   extern __shared__ __align__(16) uint8_t prep_smem[];
-  PrepScratch<kGate>& sc = reinterpret_cast<PrepScratch<kGate>*>(prep_smem)[warp];
+  PrepScratch& sc = reinterpret_cast<PrepScratch*>(prep_smem)[warp];
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(slot) * H + h) * static_cast<size_t>(ChunkRecordLayout::kBytes);
   prepare_chunk<false, kGate>(p, h, bounds.bos + chunk * kChunk, rows, record, sc.kd, lane);
@@ -123,7 +122,7 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
     constexpr GateKind kGate = decltype(gate)::value;
     constexpr int kPrepWarps = PrepShape<kGate>::kWarps;
     const int64_t blocks = (items + kPrepWarps - 1) / kPrepWarps;
-    constexpr int kSmemBytes = kPrepWarps * static_cast<int>(sizeof(PrepScratch<kGate>));
+    constexpr int kSmemBytes = kPrepWarps * static_cast<int>(sizeof(PrepScratch));
     // An SM's 228 KB hold its CTAs' scratch and 1 KB reserved per CTA, else fewer CTAs fit than launch_bounds says.
     static_assert(PrepShape<kGate>::kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "the CTAs per SM fit");
     if (p.lead_chunks >= 0) {

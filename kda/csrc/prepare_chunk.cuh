@@ -13,8 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
 #include "kda/csrc/device_math.cuh"
 #include "kda/csrc/gate.cuh"
 #include "kda/csrc/kda_params.h"
@@ -29,21 +27,11 @@ static_assert(kChannelsPerLane == 4, "a lane owns one 8-byte piece of a 128-chan
 // Per-warp scratch of the preparation kernel: the bf16 operands of the two products, swizzled like the record.
 // Each tile first receives a raw input by async copy (kd: g, qd: q, ki: k); once the products are done, kd holds
 // β·A in fp32 (row i of A times β_i: the substitution's factors).
-struct PrepTiles {
+struct PrepScratch {
   __nv_bfloat16 kd[kChunk * kHeadDim];
   __nv_bfloat16 qd[kChunk * kHeadDim];
   __nv_bfloat16 ki[kChunk * kHeadDim];
 };
-// The softplus gate's halves path adds the operands of its product across the two halves (halves_row): rows 8..15
-// of k̂ and then of q̂ anchored at row 7, and rows 0..7 of k̂ from row 7.
-struct PrepTilesSoftplus : PrepTiles {
-  __nv_bfloat16 cross_l[kChunk * kHeadDim];
-  __nv_bfloat16 cross_r[kChunk / 2 * kHeadDim];
-};
-template <GateKind kGate>
-using PrepScratch = std::conditional_t<kGate == GateKind::kSoftplus, PrepTilesSoftplus, PrepTiles>;
-static_assert(sizeof(PrepTiles) == 3 * kChunk * kHeadDim * 2 && sizeof(PrepTilesSoftplus) == 9 * kChunk * kHeadDim,
-              "prepare_chunk finds the tiles one after another behind `scratch`");
 // Row stride of β·A in the kd tile: 24 floats keeps each half-warp's 8-byte fragment stores free of bank conflicts.
 constexpr int kAStride = 24;
 constexpr int kPrepTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16][128] tile
@@ -248,91 +236,6 @@ __device__ __forceinline__ void anchored_late_rows(const AnchoredRows& a, int ch
   }
 }
 
-// ---- The softplus gate's halves path (docs/NUMERICS.md, "The softplus gate") -----------------------------------
-// Where both halves of a chunk (rows 0..7 and 8..15) decay by at most 2^−kHalfDecaySpan in every channel, the
-// warp forms A and Mqk as the lower-bound gate's one product plus one across the halves, without pair sums:
-//   inside half h the coefficient 2^(G_i − G_j) splits at the half's mid-decay m_h (m_0 = G_7 / 2,
-//   m_1 = (G_7 + G_15) / 2): Lk, Lq row i = (k̂_i or q̂_i)·2^(G_i − m), R row j = k̂_j·2^(m − G_j) in the kd, qd
-//   and ki tiles; every exponent lies within half the half's decay, so no operand passes 2^116 (the lower-bound
-//   gate's own range). Of that 16 × 16 product the two diagonal 8 × 8 blocks are kept;
-//   across the halves it splits at row 7 (both exponents ≤ 0): cross_l rows 0..7 = k̂_i·2^(G_i − G_7), rows 8..15
-//   = q̂_i·2^(G_i − G_7) (i = 8..15), cross_r row j = k̂_j·2^(G_7 − G_j) (j = 0..7); one 16 × 8 product whose
-//   rows 0..7 are A's block (rows 8..15, columns 0..7) and rows 8..15 Mqk's.
-// The queries enter unscaled (q̂, a unit vector) and Mqk's accumulators are multiplied by the scale afterwards:
-// q̃ = scale·q̂ times 2^116 would overflow for |scale| ≥ 2^11, and for a tiny scale fall below bf16's normal range.
-// Entries above the diagonal may overflow (2^(G_i − G_j) ≥ 1 there) and are never read: the substitution reads
-// β·A below it, Mqk is masked by a select.
-constexpr float kHalfDecaySpan = 232.0f;
-
-// Whether this lane's channels let the chunk take the halves path, and the halves' mid-decays.
-__device__ __forceinline__ bool halves_fit(const float (&cum)[kChunk][kChannelsPerLane], float (&mid0)[4],
-                                           float (&mid1)[4]) {
-  bool fit = true;
-#pragma unroll
-  for (int c = 0; c < kChannelsPerLane; ++c) {
-    const float g7 = cum[kChunk / 2 - 1][c], total = cum[kChunk - 1][c];
-    fit = fit && g7 >= -kHalfDecaySpan && __fsub_rn(total, g7) >= -kHalfDecaySpan;
-    mid0[c] = __fmul_rn(g7, 0.5f);
-    mid1[c] = __fmul_rn(__fadd_rn(g7, total), 0.5f);
-  }
-  return fit;
-}
-
-// Row r's operand rows of the halves path (kh = k̂, qh = q̂), once every lane has read the raw row r.
-__device__ __forceinline__ void halves_row(int r, const float (&kh)[4], const float (&qh)[4],
-                                           const float (&cum)[kChunk][kChannelsPerLane], const float (&mid)[4],
-                                           int ch0, __nv_bfloat16* lk, __nv_bfloat16* lq, __nv_bfloat16* rt,
-                                           __nv_bfloat16* cross_l, __nv_bfloat16* cross_r) {
-  float to[4], from[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    to[c] = ex2_approx(__fsub_rn(cum[r][c], mid[c]));
-    from[c] = ex2_approx(__fsub_rn(mid[c], cum[r][c]));
-  }
-  const int at = swizzle_wide(r, ch0);
-  *reinterpret_cast<uint2*>(lk + at) = pack4_scaled(kh, to);
-  *reinterpret_cast<uint2*>(lq + at) = pack4_scaled(qh, to);
-  *reinterpret_cast<uint2*>(rt + at) = pack4_scaled(kh, from);
-  float f[4];
-  if (r >= kChunk / 2) {
-    anchor_factors(cum[r], cum[kChunk / 2 - 1], f);
-    *reinterpret_cast<uint2*>(cross_l + swizzle_wide(r - kChunk / 2, ch0)) = pack4_scaled(kh, f);
-    *reinterpret_cast<uint2*>(cross_l + swizzle_wide(r, ch0)) = pack4_scaled(qh, f);
-  } else {
-    anchor_factors(cum[kChunk / 2 - 1], cum[r], f);
-    *reinterpret_cast<uint2*>(cross_r + swizzle_wide(r, ch0)) = pack4_scaled(kh, f);
-  }
-}
-
-// The product across the halves (cross_l · cross_rᵀ, k-steps in order) into the accumulators of the halves' own
-// product, where its block lies (rows 8..15, columns 0..7: n-tile 0, accumulators 2 and 3); then Mqk's
-// accumulators times the scale.
-__device__ __forceinline__ void halves_cross_product(const __nv_bfloat16* cross_l, const __nv_bfloat16* cross_r,
-                                                     float scale, float (&a_acc)[2][4], float (&m_acc)[2][4],
-                                                     int lane) {
-  float x_acc[4] = {0.f, 0.f, 0.f, 0.f};
-  // B fragments of cross_r's 8 rows: every lane points at rows 0..7 (lanes 16..31 repeat lanes 0..15's rows), so
-  // the x4 load stays inside the tile; registers 0 and 1 hold the n-tile.
-  const int row = lane & 7, half_col = 8 * ((lane >> 3) & 1);
-#pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    uint32_t l_frag[4], r_frag[4];
-    ldmatrix_x4(l_frag, a_frag_row(cross_l, ks, lane));
-    ldmatrix_x4(r_frag, cross_r + swizzle_wide(row, 16 * ks + half_col));
-    const uint32_t b[2] = {r_frag[0], r_frag[1]};
-    mma_bf16_16816(x_acc, l_frag, b);
-  }
-  a_acc[0][2] = x_acc[0];
-  a_acc[0][3] = x_acc[1];
-  m_acc[0][2] = x_acc[2];
-  m_acc[0][3] = x_acc[3];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) m_acc[nt][e] = __fmul_rn(m_acc[nt][e], scale);
-  }
-}
-
 // The softplus gate's A and Mqk from the product of Lk / Lq with Rᵀ (accumulators as in phase 3) and the block
 // sums (AnchoredRows): β·A into a_rows (row stride kAStride), Mqk into rec_mqk. m_stage: fp32 [16][16] scratch.
 __device__ __forceinline__ void anchored_epilogue(const float (&a_acc)[2][4], const float (&m_acc)[2][4],
@@ -429,7 +332,7 @@ __device__ __forceinline__ void product_epilogue(const float (&a_acc)[2][4], con
 }
 
 // One chunk of one head, by one warp: rows t0 .. t0 + rows - 1 (rows <= 16; the rest are zero) into `record`.
-// kInSmem = false (the preparation kernel): `record` is a workspace record, `scratch` a PrepScratch<kGate>.
+// kInSmem = false (the preparation kernel): `record` is a workspace record, `scratch` three tiles (PrepScratch).
 // kInSmem = true (the single-pass kernel): `record` is a ring stage in shared memory and `scratch` one tile. The
 // raw q and k rows then go straight to where Qd's and Kd's rows will be written (the record's Kd|Qd block: each
 // lane overwrites only the 8 bytes it read), g to the tile, which later holds Ki and then A; the products read
@@ -458,13 +361,10 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   auto* rec_mqk = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kMqkOffset);
   auto* rec_decay = reinterpret_cast<float*>(record + ChunkRecordLayout::kDecayOffset);
   auto* rec_beta = reinterpret_cast<float*>(record + ChunkRecordLayout::kBetaOffset);
-  // The tiles: kd, qd and ki of PrepScratch (and the softplus gate's cross_l, cross_r), or (kInSmem) the one tile
-  // as ki.
+  // The tiles: kd, qd and ki of PrepScratch, or (kInSmem) the one tile as ki.
   __nv_bfloat16* tile_kd = scratch;
   __nv_bfloat16* tile_qd = scratch + kChunk * kHeadDim;
   __nv_bfloat16* tile_ki = kInSmem ? scratch : scratch + 2 * kChunk * kHeadDim;
-  __nv_bfloat16* tile_cross_l = scratch + 3 * kChunk * kHeadDim;
-  __nv_bfloat16* tile_cross_r = scratch + 4 * kChunk * kHeadDim;
   // Where the raw rows of q, k and g land (8 bytes per lane and row).
   auto raw_q = [&](int r) { return kInSmem ? rec_kq + record_kq(1, r, ch0) : tile_qd + r * kHeadDim + ch0; };
   auto raw_k = [&](int r) { return kInSmem ? rec_kq + record_kq(0, r, ch0) : tile_ki + r * kHeadDim + ch0; };
@@ -505,11 +405,6 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       }
     }
   }
-  // The softplus gate's path for this chunk, one vote of the warp: halves (both halves' decays in range in every
-  // channel) or anchored.
-  float mid0[4], mid1[4];
-  bool halves = false;
-  if constexpr (softplus) halves = __all_sync(0xffffffffu, halves_fit(cum, mid0, mid1));
   const float my_beta = has_beta ? beta_of(p, beta_raw) : 0.f;  // lanes 0..15: β of row `lane`
   if (lane < kChunk) rec_beta[lane] = my_beta;
   {
@@ -545,12 +440,11 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     unpack4(*reinterpret_cast<const uint2*>(raw_k(r)), kf);
     const float inv_norm_q = __shfl_sync(0xffffffffu, my_inv_norm, r);
     const float inv_norm_k = __shfl_sync(0xffffffffu, my_inv_norm, kChunk + r);
-    float kd[4], qd[4], ki[4], kh[4], qh[4], qt[4];
+    float kd[4], qd[4], ki[4], kh[4], qt[4];
 #pragma unroll
     for (int c = 0; c < kChannelsPerLane; ++c) {
       kh[c] = __fmul_rn(kf[c], inv_norm_k);
-      qh[c] = __fmul_rn(qf[c], inv_norm_q);
-      qt[c] = __fmul_rn(qh[c], p.scale);
+      qt[c] = __fmul_rn(__fmul_rn(qf[c], inv_norm_q), p.scale);
       const float decay = ex2_approx(cum[r][c]);
       kd[c] = __fmul_rn(kh[c], decay);
       qd[c] = __fmul_rn(qt[c], decay);
@@ -564,12 +458,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     *reinterpret_cast<uint2*>(rec_kq + record_kq(0, r, ch0)) = kd_bits;
     *reinterpret_cast<uint2*>(rec_kq + record_kq(1, r, ch0)) = qd_bits;
     if constexpr (softplus) {
-      if (halves) {
-        halves_row(r, kh, qh, cum, r < kChunk / 2 ? mid0 : mid1, ch0, tile_kd, tile_qd, tile_ki, tile_cross_l,
-                   tile_cross_r);
-      } else {
-        anchored_row(r, kh, qt, cum, ch0, lane, tile_kd, tile_qd, tile_ki, anchored);
-      }
+      anchored_row(r, kh, qt, cum, ch0, lane, tile_kd, tile_qd, tile_ki, anchored);
     } else {
       if constexpr (!kInSmem) {
         *reinterpret_cast<uint2*>(tile_kd + at) = kd_bits;
@@ -578,9 +467,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       *reinterpret_cast<uint2*>(tile_ki + at) = make_uint2(pack_bf16x2(ki[0], ki[1]), pack_bf16x2(ki[2], ki[3]));
     }
   }
-  if constexpr (softplus) {
-    if (!halves) anchored_late_rows(anchored, ch0, tile_ki);
-  }
+  if constexpr (softplus) anchored_late_rows(anchored, ch0, tile_ki);
   // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
   // writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's even row, then of
   // its odd row.
@@ -604,8 +491,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   __syncwarp();
 
   // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order (softplus gate: Lk·Rᵀ and Lq·Rᵀ, the
-  // same tiles' places; then on the halves path the product across the halves and product_epilogue, on the
-  // anchored path anchored_epilogue). Mqk leaves from the
+  // same tiles' places, then anchored_epilogue). Mqk leaves from the
   // accumulators, causally masked; β·A goes to a dead tile (kd, or ki once read) for the substitution: its factors
   // A_im·β_i, each rounded once here instead of once by every column's lane (the same value).
   float* a_rows = reinterpret_cast<float*>(kInSmem ? tile_ki : tile_kd);
@@ -629,17 +515,9 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
         mma_bf16_16816(m_acc[nt], qd_frag, b);
       }
     }
-    if constexpr (softplus) {
-      if (halves) halves_cross_product(tile_cross_l, tile_cross_r, p.scale, a_acc, m_acc, lane);
-    }
     __syncwarp();  // every lane's fragments of the tile are read before β·A overwrites it
     if constexpr (softplus) {
-      if (halves) {
-        product_epilogue(a_acc, m_acc, my_beta, a_rows, rec_mqk, lane);
-      } else {
-        anchored_epilogue(a_acc, m_acc, anchored.diag_sums, my_beta, a_rows, a_rows + kChunk * kAStride, rec_mqk,
-                          lane);
-      }
+      anchored_epilogue(a_acc, m_acc, anchored.diag_sums, my_beta, a_rows, a_rows + kChunk * kAStride, rec_mqk, lane);
     } else {
       product_epilogue(a_acc, m_acc, my_beta, a_rows, rec_mqk, lane);
     }
@@ -672,7 +550,7 @@ __device__ __forceinline__ void prepare_fixed_chunk(const FwdParams& p, int64_t 
   const int64_t remaining = p.seqlen - j * kChunk;
   const int rows = static_cast<int>(remaining < kChunk ? remaining : kChunk);
   extern __shared__ __align__(16) uint8_t prep_smem[];
-  PrepScratch<kGate>& sc = reinterpret_cast<PrepScratch<kGate>*>(prep_smem)[warp];
+  PrepScratch& sc = reinterpret_cast<PrepScratch*>(prep_smem)[warp];
   uint8_t* record = static_cast<uint8_t*>(p.workspace) +
                     (static_cast<size_t>(first_slot(bos, n) + j) * p.heads + h) *
                         static_cast<size_t>(ChunkRecordLayout::kBytes);

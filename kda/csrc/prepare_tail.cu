@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kTailWarps * 32, 1) kda_prepare_tail_kernel(co
 void launch_prepare_tail(const FwdParams& p, cudaStream_t stream) {
   with_gate(p.gate, [&](auto gate) {
     constexpr GateKind kGate = decltype(gate)::value;
-    constexpr int kSmemBytes = kTailWarps * static_cast<int>(sizeof(PrepScratch<kGate>));
+    constexpr int kSmemBytes = kTailWarps * static_cast<int>(sizeof(PrepScratch));
     static_assert(kSmemBytes <= 227 * 1024, "a CTA's dynamic shared memory");
     constexpr auto kKernel = kda_prepare_tail_kernel<kGate>;
     opt_in_dynamic_smem<kKernel>(kSmemBytes);

@@ -55,14 +55,10 @@ struct StreamSmem {
   static constexpr int kStateFullOffset = kStateOffset + kStateStages * kStateStageBytes;
   static constexpr int kStateSlotOffset = kStateFullOffset + kStateStages * 8;  // the stage's slot (int64), or -1
   static constexpr int kScratchOffset = (kStateSlotOffset + kStateStages * 8 + 127) / 128 * 128;
-  // The preparing warps' scratch (its size depends on the gate), and room to align the ring's start.
-  template <GateKind kGate>
-  static constexpr int kLaunchBytes =
-      kScratchOffset + kPrepWarps * static_cast<int>(sizeof(prep::PrepScratch<kGate>)) + 1024;
+  static constexpr int kBytes = kScratchOffset + kPrepWarps * static_cast<int>(sizeof(prep::PrepScratch));
+  static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the ring's start
 };
-static_assert(StreamSmem::kLaunchBytes<GateKind::kLowerBound> <= 227 * 1024 &&
-                  StreamSmem::kLaunchBytes<GateKind::kSoftplus> <= 227 * 1024,
-              "one CTA per SM");
+static_assert(StreamSmem::kLaunchBytes <= 227 * 1024, "one CTA per SM");
 
 // A step warp's part of loading `item`'s initial state into a stage: warp 0 writes the state slot (its sequence's,
 // state_slots.cuh) into the stage's word and arrives (expecting a bf16 state's bytes, or plainly for zeros or an
@@ -109,7 +105,7 @@ template <GateKind kGate>
 __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem, int r, int lane) {
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ring::kBarrierOffset);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + Ring::kEmptyOffset);
-  auto* scratch = reinterpret_cast<prep::PrepScratch<kGate>*>(smem + StreamSmem::kScratchOffset) + r;
+  auto* scratch = reinterpret_cast<prep::PrepScratch*>(smem + StreamSmem::kScratchOffset) + r;
   const int64_t items = p.num_seqs * p.heads;
   const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;
   const auto* v = static_cast<const __nv_bfloat16*>(p.v);
@@ -235,11 +231,10 @@ void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream) {
     with_hi_lo(p.lower_bound, [&](auto hi_lo) {
       constexpr auto kernel = kda_stream_pass_kernel<InitT, FinalT, decltype(gate)::value, decltype(hi_lo)::value>;
       const int sms = current_sm_count();
-      constexpr int kSmemBytes = stream_pass::StreamSmem::kLaunchBytes<decltype(gate)::value>;
-      opt_in_dynamic_smem<kernel>(kSmemBytes);
+      opt_in_dynamic_smem<kernel>(stream_pass::StreamSmem::kLaunchBytes);
       const int64_t items = p.num_seqs * p.heads;
       const int64_t grid = items < sms ? items : sms;
-      kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, kSmemBytes, stream>>>(p);
+      kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, stream_pass::StreamSmem::kLaunchBytes, stream>>>(p);
       KDA_CHECK_LAUNCH("kda_stream_pass_kernel");
     });
   });

@@ -658,8 +658,8 @@ def _gate_softplus() -> list[Case]:
     # e^A_log past fp32's range meeting gate inputs of 0 (softplus: heads that erase the state and heads that never
     # decay).
     cases.append(Case("gate_softplus", H=4, T=97, inputs="A_log=±100", **softplus))
-    # Scales far from K^-0.5 (fwd takes any finite one): the halves path's queries enter its products unscaled, as
-    # q̃ · 2^116 would overflow for |scale| ≥ 2^11 and lose its far rows below bf16's normal range for a tiny one.
+    # Scales far from K^-0.5 (fwd takes any finite one): the products' operands must neither overflow for a large
+    # scale nor lose their rows for a tiny one.
     cases.append(Case("gate_softplus", H=4, T=97, log2_scale=100, **softplus))
     cases.append(Case("gate_softplus", H=4, seqlens=(17, 33, 65), log2_scale=-30, state_dtype="fp32", **softplus))
     # A log decay of -960 per token: exp underflows to 0, the state is erased at every token (test_matrix.py checks

@@ -125,39 +125,27 @@ def _scale(dtype=torch.float64) -> torch.Tensor:
     return torch.tensor(SCALE, dtype=dtype)
 
 
-def test_halves_products_equal_the_factorised_ones():
-    k_hat, q_hat, cum = _first_chunk(_inputs(T=16, g_scale=1.0, a_log_max=0.5))
-    a, m = numerics._halves_products(k_hat, q_hat, _scale(), cum, _fp64_arithmetic())
-    decayed, restored = torch.exp2(cum), torch.exp2(-cum)
-    want_a = (k_hat * decayed) @ (k_hat * restored).transpose(-1, -2)
-    want_m = (SCALE * q_hat * decayed) @ (k_hat * restored).transpose(-1, -2)
-    strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
-    causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
-    assert torch.allclose(a[..., strict], want_a[..., strict], rtol=1e-10, atol=1e-12)
-    assert torch.allclose(m[..., causal], want_m[..., causal], rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("log2_scale", [100, 11, -30, -100])
-def test_halves_products_scale_exactly_for_any_scale(log2_scale):
-    # The queries enter the halves path's products unscaled and Mqk is scaled after them: with a power-of-two scale
-    # Mqk is exactly the unit scale's times it (a query operand of q̃ · 2^116 overflowed for |scale| ≥ 2^11, and
-    # fell below bf16's normal range for a tiny one). The chunk decays by 2^−200 per half in every channel, so
-    # the halves path runs with operand exponents up to ±100.
+@pytest.mark.parametrize("log2_scale", [100, 11])
+def test_anchored_products_take_a_large_scale(log2_scale):
+    # The queries enter the anchored products as q̃ = q̂ · scale and every exponent there is ≤ 0: a large
+    # power-of-two scale leaves Mqk finite, also where the chunk decays by 2^−400, and multiplies it exactly where
+    # the unit scale's products stay in fp32's normal range (a mild chunk).
     x = _inputs(T=16, g_scale=1.0, a_log_max=0.5)
-    k_hat, q_hat, cum = (t.float() for t in _first_chunk(x))
-    cum = torch.linspace(-400 / 16, -400, 16)[None, :, None].expand_as(cum).clone()
-    assert numerics._halves_fit(cum).all()
+    k_hat, q_hat, mild = (t.float() for t in _first_chunk(x))
+    steep = torch.linspace(-400 / 16, -400, 16)[None, :, None].expand_as(mild).clone()
+    causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
     for ar in (numerics.fp32_arithmetic(), _bf16_operands()):
-        _, unit = numerics._softplus_products(k_hat, q_hat, torch.tensor(1.0), cum, ar)
-        _, scaled = numerics._softplus_products(k_hat, q_hat, torch.tensor(2.0**log2_scale), cum, ar)
-        causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
-        assert torch.isfinite(unit[..., causal]).all()
+        for cum in (mild, steep):
+            _, scaled = numerics._anchored_products(k_hat, q_hat * 2.0**log2_scale, cum, ar)
+            assert torch.isfinite(scaled[..., causal]).all()
+        _, unit = numerics._anchored_products(k_hat, q_hat, mild, ar)
+        _, scaled = numerics._anchored_products(k_hat, q_hat * 2.0**log2_scale, mild, ar)
         assert torch.equal(scaled[..., causal], unit[..., causal] * 2.0**log2_scale)
 
 
 def test_softplus_output_scales_exactly_with_a_power_of_two_scale():
-    # The whole forward (CPU path's twin arithmetic, fp32 operands) on chunks that take the halves path: scale
-    # 2^100 gives the unit scale's output times 2^100, rounded to bf16, with nothing non-finite.
+    # The whole forward (CPU path's twin arithmetic, fp32 operands): scale 2^100 gives the unit scale's output
+    # times 2^100, rounded to bf16, with nothing non-finite.
     x = _inputs(T=64, g_scale=1.0, a_log_max=math.log(4))
     ar = numerics.fp32_arithmetic()
 
@@ -168,41 +156,3 @@ def test_softplus_output_scales_exactly_with_a_power_of_two_scale():
     unit, big = out(1.0), out(2.0**100)
     assert torch.isfinite(big.float()).all()
     assert torch.equal(big, (unit.float() * 2.0**100).to(big.dtype))
-
-
-def test_halves_path_runs_where_the_factorised_products_overflow():
-    # Every channel of the chunk decays by 2^−300 over its 16 tokens, 2^−150 in each half: the factor 2^(−cum)
-    # passes fp32's range, the halves path's operands do not, and it is the path the chunk takes.
-    x = _inputs(T=16, g_scale=1.0, a_log_max=0.5)
-    k_hat, q_hat, cum = _first_chunk(x)
-    cum = torch.linspace(-300 / 16, -300, 16, dtype=torch.float64)[None, :, None].expand_as(cum).clone()
-    assert torch.isinf(torch.exp2(-cum.float())).any()
-    for ar in (numerics.fp32_arithmetic(), _bf16_operands()):
-        a, m = numerics._softplus_products(k_hat.float(), q_hat.float(), _scale(torch.float32), cum.float(), ar)
-        want_a, want_m = numerics._halves_products(k_hat.float(), q_hat.float(), _scale(torch.float32), cum.float(),
-                                                   ar)
-        assert torch.equal(a, want_a) and torch.equal(m, want_m)
-        causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
-        assert torch.isfinite(a[..., causal]).all() and torch.isfinite(m[..., causal]).all()
-    coeff = torch.exp2(cum[..., :, None, :] - cum[..., None, :, :])  # [H, i, j, K]; overflows only above the diagonal
-    exact_a = (k_hat[..., :, None, :] * k_hat[..., None, :, :] * coeff).sum(-1)
-    got_a, _ = numerics._halves_products(k_hat, q_hat, _scale(), cum, _fp64_arithmetic())
-    strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
-    assert torch.allclose(got_a[..., strict], exact_a[..., strict], rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("half_decay, path", [(232.0, "halves"), (232.5, "anchored")])
-def test_a_half_past_the_span_takes_the_anchored_path(half_decay, path):
-    x = _inputs(T=16, g_scale=1.0, a_log_max=0.5)
-    k_hat, q_hat, cum = (t.float() for t in _first_chunk(x))
-    cum = cum.clone()
-    cum[0, 8:, 5] = cum[0, 7, 5] - half_decay  # head 0, one channel: its second half decays by half_decay
-    cum[0, 15, 5] = cum[0, 7, 5] - half_decay
-    ar = numerics.fp32_arithmetic()
-    scale = _scale(torch.float32)
-    a, _ = numerics._softplus_products(k_hat, q_hat, scale, cum, ar)
-    if path == "halves":
-        want, _ = numerics._halves_products(k_hat, q_hat, scale, cum, ar)
-    else:
-        want, _ = numerics._anchored_products(k_hat, q_hat * scale, cum, ar)
-    assert torch.equal(a[0], want[0])

@@ -12,8 +12,7 @@ PyTorch's exp2 and sigmoid, so its figures are estimates of the kernel's, not it
 
 The second form estimates the matrix's own stream-pass cases (matrix._stream_pass_cases, their seeds; a pool as
 the dense states it holds); the third every case of a matrix slice up to --max-token-heads (one line per distinct
-input: the slice's forced-plan copies of a case share its estimate), with the worst 64-token window and, for the
-softplus gate, how many (chunk, head) pairs take the halves path (numerics._softplus_products).
+input: the slice's forced-plan copies of a case share its estimate), with the worst 64-token window.
 """
 
 from __future__ import annotations
@@ -50,22 +49,9 @@ def estimate(case: matrix.Case, ar: numerics.Arithmetic) -> tuple[float, float |
     return compare.compare(out, ref_out).rel_l2, state_error
 
 
-def halves_share(case: matrix.Case) -> str:
-    """How many of the case's (chunk, head) pairs take the softplus gate's halves path, as "taken/all"."""
-    if case.gate != "softplus":
-        return ""
-    x = matrix.make_inputs(case, "cpu")
-    layout = numerics.chunk_layout(x["cu_seqlens"], x["v"].shape[0], x["v"].shape[1], "cpu")
-    g = numerics._gather_chunks(x["g"], layout).float()  # [C, H, 16, K]
-    cum = numerics._running_decay(g, layout.valid[:, None, :], x["A_log"], x["dt_bias"], x["lower_bound"],
-                                  numerics.fp32_arithmetic(), "softplus")
-    taken = numerics._halves_fit(cum)
-    return f"{int(taken.sum())}/{taken.numel()}"
-
-
 def estimate_slice(ar: numerics.Arithmetic, slice_: str, max_token_heads: int) -> None:
-    print("| case | out | worst 64-token window | final state | halves path |")
-    print("|---|---:|---:|---:|---:|")
+    print("| case | out | worst 64-token window | final state |")
+    print("|---|---:|---:|---:|")
     seen = set()
     for case in matrix.cases(slice_):
         tokens = case.B * (case.T if case.seqlens is None else sum(case.seqlens))
@@ -88,7 +74,7 @@ def estimate_slice(ar: numerics.Arithmetic, slice_: str, max_token_heads: int) -
         state_error = ""
         if case.has_final and twin.get("state_indices") is None:
             state_error = f"{compare.compare(state.to(x['final_state'].dtype), ref_state).rel_l2:.2e}"
-        print(f"| {case.id} | {c.rel_l2:.2e} | {c.window_rel_l2:.2e} | {state_error} | {halves_share(case)} |",
+        print(f"| {case.id} | {c.rel_l2:.2e} | {c.window_rel_l2:.2e} | {state_error} |",
               flush=True)
 
 

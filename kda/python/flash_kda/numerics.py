@@ -256,58 +256,6 @@ def _anchored_products(k_hat: torch.Tensor, q_scaled: torch.Tensor, cum: torch.T
     return a_full, m_full
 
 
-HALF_DECAY_SPAN = 232.0  # a half chunk's |log2 decay| up to which the softplus gate's halves path runs
-
-
-def _halves_products(k_hat: torch.Tensor, q_hat: torch.Tensor, scale: torch.Tensor, cum: torch.Tensor,
-                     ar: Arithmetic):
-    """A and Mqk [.., 16, 16] of the softplus gate's halves path (prepare_chunk.cuh): every coefficient
-    2^(cum_i − cum_j) split at an anchor, all on the tensor cores.
-
-    Inside half h (rows 8h .. 8h + 7) the anchor is the half's mid-decay c_h per channel (c_0 = cum_7 / 2,
-    c_1 = (cum_7 + cum_15) / 2): one 16 × 16 product of bf16(k̂_i · 2^(cum_i − c)) (and q̂_i) with
-    bf16(k̂_j · 2^(c − cum_j)), of which the two diagonal 8 × 8 blocks are kept. Across the halves the anchor is
-    row 7 (both exponents ≤ 0): one 16 × 8 product of [bf16(k̂_i · 2^(cum_i − cum_7)); bf16(q̂_i · …)] (i = 8..15)
-    with bf16(k̂_j · 2^(cum_7 − cum_j)) (j = 0..7). Exponents inside a half lie within ± half its decay, so with
-    both halves' decays at most HALF_DECAY_SPAN no operand passes 2^116 (k̂ and q̂ are unit vectors); entries
-    above the diagonal may overflow and are never read. The queries enter unscaled and Mqk is multiplied by
-    ``scale`` (fp32) after the products: q̃ = scale · q̂ times 2^116 would overflow for |scale| ≥ 2^11, and
-    for a tiny scale its far rows would fall below bf16's normal range."""
-    g7 = cum[..., 7:8, :]
-    mid = torch.cat([(g7 * 0.5).expand_as(cum[..., :8, :]),
-                     ((g7 + cum[..., 15:16, :]) * 0.5).expand_as(cum[..., 8:, :])], dim=-2)
-    to_mid = ar.exp2(cum - mid)
-    lk = ar.operand(k_hat * to_mid)
-    lq = ar.operand(q_hat * to_mid)
-    r_t = ar.operand(k_hat * ar.exp2(mid - cum)).transpose(-1, -2)
-    a, m = ar.matmul(lk, r_t, None), ar.matmul(lq, r_t, None)
-    to_7 = ar.exp2(cum[..., 8:, :] - g7)
-    cross_l = ar.operand(torch.cat([k_hat[..., 8:, :] * to_7, q_hat[..., 8:, :] * to_7], dim=-2))
-    cross_r_t = ar.operand(k_hat[..., :8, :] * ar.exp2(g7 - cum[..., :8, :])).transpose(-1, -2)
-    cross = ar.matmul(cross_l, cross_r_t, None)  # [.., 16, 8]: A's rows 8..15, then Mqk's
-    a[..., 8:, :8] = cross[..., :8, :]
-    m[..., 8:, :8] = cross[..., 8:, :]
-    return a, m * scale
-
-
-def _halves_fit(cum: torch.Tensor) -> torch.Tensor:
-    """Whether each chunk and head of the running decays ``cum`` [.., 16, K] takes the softplus gate's halves path
-    (bool [..]): both halves decay by at most HALF_DECAY_SPAN in every channel (cum_7 and cum_15 − cum_7 at or
-    above its negative; the kernel's warp votes once per chunk and head)."""
-    g7, total = cum[..., 7, :], cum[..., 15, :]
-    return ((g7 >= -HALF_DECAY_SPAN) & (total - g7 >= -HALF_DECAY_SPAN)).all(-1)
-
-
-def _softplus_products(k_hat: torch.Tensor, q_hat: torch.Tensor, scale: torch.Tensor, cum: torch.Tensor,
-                       ar: Arithmetic):
-    """The softplus gate's A and Mqk: the halves path where ``_halves_fit``, the anchored path otherwise (on
-    q̃ = q̂ · scale, rounded as the kernel does)."""
-    halves = _halves_fit(cum)[..., None, None]
-    a_halves, m_halves = _halves_products(k_hat, q_hat, scale, cum, ar)
-    a_anchored, m_anchored = _anchored_products(k_hat, q_hat * scale, cum, ar)
-    return torch.where(halves, a_halves, a_anchored), torch.where(halves, m_halves, m_anchored)
-
-
 def sequence_bounds(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int) -> tuple:
     """(bos, eos, lengths) of the sequences, int64 CPU tensors: rows of ``seqlen`` tokens, or ``cu_seqlens``."""
     if cu_seqlens is None:
@@ -388,9 +336,7 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     total = cum[..., CHUNK - 1, :]  # Γ [C, H, K]
 
     k_hat = kf * _inv_norm(kf)[..., None]
-    q_hat = qf * _inv_norm(qf)[..., None]
-    scale_fp32 = _fp32(scale, device)
-    q_scaled = q_hat * scale_fp32
+    q_scaled = (qf * _inv_norm(qf)[..., None]) * _fp32(scale, device)
     decay_rows = ar.exp2(cum)
     kd = ar.operand(k_hat * decay_rows)
     qd = ar.operand(q_scaled * decay_rows)
@@ -398,7 +344,7 @@ def _prepare(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, layout: Chunk
     decay = ar.exp2(total)
 
     if gate_kind == "softplus":  # a chunk's decay is unbounded: no factor 2^(−cum)
-        a_full, m_full = _softplus_products(k_hat, q_hat, scale_fp32, cum, ar)
+        a_full, m_full = _anchored_products(k_hat, q_scaled, cum, ar)
     else:  # cum ≥ 16 · lower_bound · log2 e ≥ −116: 2^(−cum) stays finite
         ki_t = ar.operand(k_hat * ar.exp2(-cum)).transpose(-1, -2)
         a_full = ar.matmul(kd, ki_t, None)  # [C, H, 16, 16]
