@@ -121,15 +121,11 @@ def _first_chunk(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return k / k.norm(dim=-1, keepdim=True), q / q.norm(dim=-1, keepdim=True), cum
 
 
-def _scale(dtype=torch.float64) -> torch.Tensor:
-    return torch.tensor(SCALE, dtype=dtype)
-
-
-@pytest.mark.parametrize("log2_scale", [100, 11])
-def test_anchored_products_take_a_large_scale(log2_scale):
-    # The queries enter the anchored products as q̃ = q̂ · scale and every exponent there is ≤ 0: a large
-    # power-of-two scale leaves Mqk finite, also where the chunk decays by 2^−400, and multiplies it exactly where
-    # the unit scale's products stay in fp32's normal range (a mild chunk).
+@pytest.mark.parametrize("log2_scale", [100, -30, -100])
+def test_anchored_products_take_any_scale(log2_scale):
+    # The queries enter the anchored products as q̃ = q̂ · scale and every exponent there is ≤ 0: a power-of-two
+    # scale, large or tiny, leaves Mqk finite, also where the chunk decays by 2^−400, and multiplies it exactly where
+    # the products stay in fp32's normal range (a mild chunk).
     x = _inputs(T=16, g_scale=1.0, a_log_max=0.5)
     k_hat, q_hat, mild = (t.float() for t in _first_chunk(x))
     steep = torch.linspace(-400 / 16, -400, 16)[None, :, None].expand_as(mild).clone()
