@@ -1,7 +1,7 @@
 // The preparation of one 16-token chunk of one head by one warp (docs/SPEC.md §2): everything of the chunk that
 // does not depend on the state S. Shared by the preparation and tail kernels (prepare.cu, prepare_tail.cu), which
-// write it to the workspace, and the single-pass kernel (single_pass.cuh), which writes it into its own
-// shared-memory ring.
+// write it to the workspace, and the single-pass kernel and the stream pass (single_pass.cuh, stream_pass.cuh),
+// which write it into their own shared-memory rings.
 //
 // Lane l owns channels 4l..4l+3 of every row of the chunk. The warp computes L2-normalised q/k, the
 // per-channel log2 gates and their in-chunk cumulative sum G, Kd = k̂·2^G, Qd = scale·q̂·2^G, Kr = k̂·2^{Γ-G},
@@ -37,6 +37,11 @@ constexpr int kAStride = 24;
 constexpr int kPrepTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16][128] tile
 static_assert(kChunk * kAStride * 4 + kChunk * kChunk * 4 <= kPrepTileBytes,
               "β·A (and the softplus gate's Mqk staging behind it) must fit in one dead tile");
+// The looped form's scratch (prepare_chunk<true, kLowerBound, true>): the tile, then G as fp32 [16][128].
+constexpr int kLoopedScratchBytes = kPrepTileBytes + kChunk * kHeadDim * 4;
+static_assert(kLoopedScratchBytes <= static_cast<int>(sizeof(PrepScratch)), "a PrepScratch holds it");
+constexpr int kLoopRows = 4;  // the looped form's rows per turn of phase 2b
+static_assert(kLoopRows == 4 || kLoopRows == 8, "Krᵀ leaves in pieces of 8 or 16 bytes");
 
 // The lane's leaf of a sum over 128 channels (lane l holding channels 4l..4l+3) of x·y, in the order the twin
 // re-enacts (tree_sum_128): (x0·y0 + x1·y1) + (x2·y2 + x3·y3); a squared norm's with y = x.
@@ -97,18 +102,6 @@ __device__ __forceinline__ const __nv_bfloat16* b_frag_row(const __nv_bfloat16* 
   return tile + swizzle_wide(row, col);
 }
 
-
-// Kr = k̂·2^(Γ − G) of row r, channel c (kh = k̂), packed into Krᵀ's row pairs.
-__device__ __forceinline__ void restored_key(int r, int c, float kh, const float (&cum)[kChunk][kChannelsPerLane],
-                                             float (&kr_even)[kChannelsPerLane],
-                                             uint32_t (&krt_packed)[kChannelsPerLane][kChunk / 2]) {
-  const float kr = __fmul_rn(kh, ex2_approx(__fsub_rn(cum[kChunk - 1][c], cum[r][c])));
-  if (r % 2 == 0) {
-    kr_even[c] = kr;
-  } else {
-    krt_packed[c][r / 2] = pack_bf16x2(kr_even[c], kr);
-  }
-}
 
 // ---- The softplus gate's intra-chunk products (docs/NUMERICS.md, "The softplus gate") -------------------------
 // A = Σ_c k̂_i k̂_j 2^(G_i − G_j) (i > j) and Mqk = Σ_c q̃_i k̂_j 2^(G_i − G_j) (i ≥ j), q̃ = scale·q̂, without the
@@ -340,7 +333,11 @@ __device__ __forceinline__ void product_epilogue(const float (&a_acc)[2][4], con
 // On return every async copy this warp issued before the call has landed too.
 // Every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves) rather than two
 // partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
-template <bool kInSmem, GateKind kGate = GateKind::kLowerBound>
+// kLooped (the stream pass, kInSmem and the lower-bound gate): the row phases run as loops, so that a preparing
+// warp's code stays in the instruction cache beside the step warps' (docs/DESIGN.md, "The stream pass"). The
+// running sums G go to shared memory behind the tile (kLoopedScratchBytes) instead of registers, and Krᵀ leaves every
+// kLoopRows rows. The same arithmetic in the same order: the record's bits are the same.
+template <bool kInSmem, GateKind kGate = GateKind::kLowerBound, bool kLooped = false>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {
   const int H = p.heads;
@@ -351,6 +348,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   const auto* beta = static_cast<const __nv_bfloat16*>(p.beta);
   const int ch0 = kChannelsPerLane * lane;
   static_assert(!kInSmem || kGate == GateKind::kLowerBound, "the single pass runs the lower-bound gate only");
+  static_assert(!kLooped || kInSmem, "the looped form keeps its running sums where kInSmem leaves room");
   constexpr bool softplus = kGate == GateKind::kSoftplus;
   auto row_offset = [&](int r) { return ((t0 + r) * H + h) * kHeadDim + ch0; };
   auto key_row_offset = [&](int r) { return ((t0 + r) * p.key_heads + hk) * kHeadDim + ch0; };
@@ -374,13 +372,19 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   // zeros past the end of the sequence), all issued before the first is needed, so an item costs one memory
   // round trip; the gate parameters and β are loaded meanwhile. Each row's raw data sits in row r of its tile
   // (or of the record's Kd|Qd block), which later holds the row's results (a swizzle never leaves its row).
-#pragma unroll
-  for (int r = 0; r < kChunk; ++r) {
+  auto load_row = [&](int r) {
     const bool valid = r < rows;
     const int64_t at = valid ? row_offset(r) : 0, key_at = valid ? key_row_offset(r) : 0;
     cp_async_8(raw_q(r), q + key_at, valid ? 8 : 0);
     cp_async_8(raw_k(r), k + key_at, valid ? 8 : 0);
     cp_async_8(raw_g + r * kHeadDim + ch0, g + at, valid ? 8 : 0);
+  };
+  if constexpr (kLooped) {
+#pragma unroll 4
+    for (int r = 0; r < kChunk; ++r) load_row(r);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kChunk; ++r) load_row(r);
   }
   cp_async_commit();
   const HeadGate hg = head_gate(p, h, ch0);
@@ -389,9 +393,26 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   cp_async_wait<0>();
   __syncwarp();
 
-  // Phase 1: the gates γ (gate.cuh) and their running sum G.
-  float cum[kChunk][kChannelsPerLane];
-  {
+  // Phase 1: the gates γ (gate.cuh) and their running sum G (kLooped: G's rows to cum_rows, its last in last_cum).
+  float cum[kChunk][kChannelsPerLane];  // (kLooped: unused)
+  float* cum_rows = reinterpret_cast<float*>(scratch + kChunk * kHeadDim);
+  float last_cum[kChannelsPerLane];
+  if constexpr (kLooped) {
+    float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+    for (int r = 0; r < kChunk; ++r) {
+      float gf[4];
+      unpack4(*reinterpret_cast<const uint2*>(raw_g + r * kHeadDim + ch0), gf);
+#pragma unroll
+      for (int c = 0; c < kChannelsPerLane; ++c) {
+        const float gamma = r < rows ? gate_log2<kGate>(hg, c, gf[c]) : 0.f;
+        acc[c] = __fadd_rn(acc[c], gamma);
+      }
+      *reinterpret_cast<float4*>(cum_rows + r * kHeadDim + ch0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    }
+#pragma unroll
+    for (int c = 0; c < kChannelsPerLane; ++c) last_cum[c] = acc[c];
+  } else {
     float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < kChunk; ++r) {
@@ -407,12 +428,13 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   }
   const float my_beta = has_beta ? beta_of(p, beta_raw) : 0.f;  // lanes 0..15: β of row `lane`
   if (lane < kChunk) rec_beta[lane] = my_beta;
+  const float (&last)[kChannelsPerLane] = kLooped ? last_cum : cum[kChunk - 1];  // Γ, the chunk's G
   {
     float4 decay;
-    decay.x = ex2_approx(cum[kChunk - 1][0]);
-    decay.y = ex2_approx(cum[kChunk - 1][1]);
-    decay.z = ex2_approx(cum[kChunk - 1][2]);
-    decay.w = ex2_approx(cum[kChunk - 1][3]);
+    decay.x = ex2_approx(last[0]);
+    decay.y = ex2_approx(last[1]);
+    decay.z = ex2_approx(last[2]);
+    decay.w = ex2_approx(last[3]);
     *reinterpret_cast<float4*>(rec_decay + ch0) = decay;
   }
 
@@ -430,26 +452,25 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   const float my_inv_norm = inv_norm(reduce_scatter_32(leaves, lane));
 
   // Phase 2b, row by row: the decayed / restored keys and queries (softplus gate: and the anchored products' rows).
-  uint32_t krt_packed[kChannelsPerLane][kChunk / 2];
-  float kr_even[kChannelsPerLane];
+  // Row r's G is cum_r; its restored keys Kr = k̂·2^(Γ − G) go to keep_kr(c, Kr of channel ch0 + c).
   AnchoredRows anchored;
-#pragma unroll
-  for (int r = 0; r < kChunk; ++r) {
+  auto row_step = [&](int r, const float (&cum_r)[kChannelsPerLane], auto&& keep_kr) {
     float qf[4], kf[4];
     unpack4(*reinterpret_cast<const uint2*>(raw_q(r)), qf);
     unpack4(*reinterpret_cast<const uint2*>(raw_k(r)), kf);
     const float inv_norm_q = __shfl_sync(0xffffffffu, my_inv_norm, r);
     const float inv_norm_k = __shfl_sync(0xffffffffu, my_inv_norm, kChunk + r);
-    float kd[4], qd[4], ki[4], kh[4], qt[4];
+    float kd[4], qd[4], kh[4], qt[4];
+    [[maybe_unused]] float ki[4];  // (the lower-bound gate's)
 #pragma unroll
     for (int c = 0; c < kChannelsPerLane; ++c) {
       kh[c] = __fmul_rn(kf[c], inv_norm_k);
       qt[c] = __fmul_rn(__fmul_rn(qf[c], inv_norm_q), p.scale);
-      const float decay = ex2_approx(cum[r][c]);
+      const float decay = ex2_approx(cum_r[c]);
       kd[c] = __fmul_rn(kh[c], decay);
       qd[c] = __fmul_rn(qt[c], decay);
-      if constexpr (!softplus) ki[c] = __fmul_rn(kh[c], ex2_approx(-cum[r][c]));
-      restored_key(r, c, kh[c], cum, kr_even, krt_packed);
+      if constexpr (!softplus) ki[c] = __fmul_rn(kh[c], ex2_approx(-cum_r[c]));
+      keep_kr(c, __fmul_rn(kh[c], ex2_approx(__fsub_rn(last[c], cum_r[c]))));
     }
     const int at = swizzle_wide(r, ch0);
     const uint2 kd_bits = make_uint2(pack_bf16x2(kd[0], kd[1]), pack_bf16x2(kd[2], kd[3]));
@@ -466,12 +487,55 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       }
       *reinterpret_cast<uint2*>(tile_ki + at) = make_uint2(pack_bf16x2(ki[0], ki[1]), pack_bf16x2(ki[2], ki[3]));
     }
+  };
+  // Krᵀ rows ch0..ch0+3 as bf16 token pairs: krt_packed[c][i] holds tokens 2i, 2i + 1 of channel ch0 + c.
+  uint32_t krt_packed[kChannelsPerLane][kChunk / 2];
+  if constexpr (kLooped) {
+    // kLoopRows rows per turn; their Krᵀ pieces (kLoopRows / 2 token pairs of each channel) leave at its end.
+#pragma unroll 1
+    for (int r0 = 0; r0 < kChunk; r0 += kLoopRows) {
+      uint32_t piece[kChannelsPerLane][kLoopRows / 2];
+      float kr_even[kChannelsPerLane];
+#pragma unroll
+      for (int i = 0; i < kLoopRows; ++i) {
+        const float4 g_row = *reinterpret_cast<const float4*>(cum_rows + (r0 + i) * kHeadDim + ch0);
+        const float cum_r[kChannelsPerLane] = {g_row.x, g_row.y, g_row.z, g_row.w};
+        row_step(r0 + i, cum_r, [&](int c, float kr) {
+          if (i % 2 == 0) {
+            kr_even[c] = kr;
+          } else {
+            piece[c][i / 2] = pack_bf16x2(kr_even[c], kr);
+          }
+        });
+      }
+#pragma unroll
+      for (int c = 0; c < kChannelsPerLane; ++c) {
+        __nv_bfloat16* dst = rec_krt + swizzle_narrow(ch0 + c, r0);
+        if constexpr (kLoopRows == 8) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(piece[c][0], piece[c][1], piece[c][2], piece[c][3]);
+        } else {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(piece[c][0], piece[c][1]);
+        }
+      }
+    }
+  } else {
+    float kr_even[kChannelsPerLane];
+#pragma unroll
+    for (int r = 0; r < kChunk; ++r) {
+      row_step(r, cum[r], [&](int c, float kr) {
+        if (r % 2 == 0) {
+          kr_even[c] = kr;
+        } else {
+          krt_packed[c][r / 2] = pack_bf16x2(kr_even[c], kr);
+        }
+      });
+    }
   }
   if constexpr (softplus) anchored_late_rows(anchored, ch0, tile_ki);
   // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
   // writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's even row, then of
   // its odd row.
-  {
+  if constexpr (!kLooped) {
     const bool odd = (lane & 1) != 0;
     const int even_ch0 = ch0 & ~4, odd_ch0 = ch0 | 4;
 #pragma unroll

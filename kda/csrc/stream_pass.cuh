@@ -7,11 +7,15 @@
 // One CTA per SM takes the (sequence, head) items b, b + grid, ... in turn. Warps 0..7 (two warpgroups) hold the
 // item's 128 state rows in fp32 registers and run the finishing step of two warpgroups (run_chunks, kPrepFed);
 // warps 8..11 prepare the CTA's chunks in stream order (warp r takes positions r, r + 4, ...) straight into a ring
-// of 4 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the chunk's
-// value rows by cp.async. A stage passes from the preparing warp to the step warps on its "full" mbarrier and back
-// on its "empty" one. A bf16 initial state arrives two items ahead by bulk copies that each step warp issues for
-// its own rows, one per row into rows padded by 16 bytes (the 4-byte fragment loads are then free of bank
-// conflicts); an fp32 one the step warps load themselves. Final states leave from registers.
+// of 6 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the chunk's
+// value rows by cp.async. Six stages for four preparing warps let a warp start its next chunk while the steps are
+// still two chunks behind it. The lower-bound gate's chunks are prepared in the looped form (prepare_chunk.cuh,
+// kLooped: raw q and k straight into the stage's record; the kernel's machine code 9,912 -> 5,360 instructions,
+// so that the preparing warps' code stays in the instruction cache). A stage passes from the preparing warp to the
+// step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two items ahead by
+// bulk copies that each step warp issues for its own rows, one per row into rows padded by 16 bytes (the 4-byte
+// fragment loads are then free of bank conflicts); an fp32 one the step warps load themselves. Final states leave
+// from registers.
 // Where the two stages cost 3,018 bytes per token-head and the single pass runs preparation and steps in turns,
 // this moves 1,282 and keeps both busy at once.
 #pragma once
@@ -43,7 +47,7 @@ namespace stream_pass {
 constexpr int kStepWarps = 8;  // two warpgroups, 16 state rows each
 constexpr int kPrepWarps = 4;  // one warpgroup
 constexpr int kThreads = (kStepWarps + kPrepWarps) * 32;
-constexpr int kRingStages = 4;   // prepared chunks in flight
+constexpr int kRingStages = 6;   // prepared chunks in flight
 constexpr int kStateStages = 2;  // initial states in flight
 using Ring = RecurrenceSmem<kStepWarps, kRingStages>;
 constexpr int kStateRowBytes = kHeadDim * 2;  // a bf16 state row
@@ -134,7 +138,11 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
         cp_async_16(stage + Ring::kValueOffset + row * Ring::kValueStride + 2 * col,
                     valid ? v_chunk + row * token_stride + col : v_chunk, valid ? 16 : 0);
       }
-      prep::prepare_chunk<false, kGate>(p, h, t0, rows, stage, scratch->kd, lane);
+      if constexpr (kGate == GateKind::kLowerBound) {
+        prep::prepare_chunk<true, kGate, true>(p, h, t0, rows, stage, scratch->kd, lane);
+      } else {
+        prep::prepare_chunk<false, kGate>(p, h, t0, rows, stage, scratch->kd, lane);
+      }
       fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
       mbarrier_arrive(&full[stage_index]);
     }
