@@ -24,7 +24,8 @@ namespace prep {
 constexpr int kChannelsPerLane = kHeadDim / 32;
 static_assert(kChannelsPerLane == 4, "a lane owns one 8-byte piece of a 128-channel row");
 
-// Per-warp scratch of the preparation kernel: the bf16 operands of the two products, swizzled like the record.
+// Per-warp scratch of the preparation kernels and the stream pass (its looped form: kLoopedScratchBytes below):
+// the bf16 operands of the two products, swizzled like the record.
 // Each tile first receives a raw input by async copy (kd: g, qd: q, ki: k); once the products are done, kd holds
 // β·A in fp32 (row i of A times β_i: the substitution's factors).
 struct PrepScratch {
@@ -326,17 +327,18 @@ __device__ __forceinline__ void product_epilogue(const float (&a_acc)[2][4], con
 
 // One chunk of one head, by one warp: rows t0 .. t0 + rows - 1 (rows <= 16; the rest are zero) into `record`.
 // kInSmem = false (the preparation kernel): `record` is a workspace record, `scratch` three tiles (PrepScratch).
-// kInSmem = true (the single-pass kernel): `record` is a ring stage in shared memory and `scratch` one tile. The
+// kInSmem = true (the single-pass kernel; the stream pass with kLooped): `record` is a ring stage in shared memory
+// and `scratch` one tile (kLooped: kLoopedScratchBytes, a PrepScratch, the tile then G's fp32 rows). The
 // raw q and k rows then go straight to where Qd's and Kd's rows will be written (the record's Kd|Qd block: each
 // lane overwrites only the 8 bytes it read), g to the tile, which later holds Ki and then A; the products read
 // Kd and Qd from the record. The same arithmetic in the same order either way, so the record's bits are the same.
 // On return every async copy this warp issued before the call has landed too.
-// Every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves) rather than two
-// partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
-// kLooped (the stream pass, kInSmem and the lower-bound gate): the row phases run as loops, so that a preparing
-// warp's code stays in the instruction cache beside the step warps' (docs/DESIGN.md, "The stream pass"). The
-// running sums G go to shared memory behind the tile (kLoopedScratchBytes) instead of registers, and Krᵀ leaves every
-// kLoopRows rows. The same arithmetic in the same order: the record's bits are the same.
+// Unless kLooped, every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves)
+// rather than two partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
+// kLooped (the stream pass, kInSmem and the lower-bound gate): phases 0, 1 and 2b run as loops (2a and 4 stay
+// unrolled), so that a preparing warp's code stays in the instruction cache beside the step warps' (docs/DESIGN.md,
+// "The stream pass"). The running sums G go to shared memory behind the tile instead of registers, and Krᵀ leaves
+// every kLoopRows rows. The same arithmetic in the same order: the record's bits are the same.
 template <bool kInSmem, GateKind kGate = GateKind::kLowerBound, bool kLooped = false>
 __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
                                               __nv_bfloat16* scratch, int lane) {
@@ -347,7 +349,8 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   const auto* g = static_cast<const __nv_bfloat16*>(p.g);
   const auto* beta = static_cast<const __nv_bfloat16*>(p.beta);
   const int ch0 = kChannelsPerLane * lane;
-  static_assert(!kInSmem || kGate == GateKind::kLowerBound, "the single pass runs the lower-bound gate only");
+  static_assert(!kInSmem || kGate == GateKind::kLowerBound,
+                "kInSmem (the single pass, the looped stream pass) runs the lower-bound gate only");
   static_assert(!kLooped || kInSmem, "the looped form keeps its running sums where kInSmem leaves room");
   constexpr bool softplus = kGate == GateKind::kSoftplus;
   auto row_offset = [&](int r) { return ((t0 + r) * H + h) * kHeadDim + ch0; };
@@ -359,7 +362,8 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   auto* rec_mqk = reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kMqkOffset);
   auto* rec_decay = reinterpret_cast<float*>(record + ChunkRecordLayout::kDecayOffset);
   auto* rec_beta = reinterpret_cast<float*>(record + ChunkRecordLayout::kBetaOffset);
-  // The tiles: kd, qd and ki of PrepScratch, or (kInSmem) the one tile as ki.
+  // The tiles: kd, qd and ki of PrepScratch, or (kInSmem) the one tile as ki (kLooped: G's fp32 rows, cum_rows,
+  // behind it).
   __nv_bfloat16* tile_kd = scratch;
   __nv_bfloat16* tile_qd = scratch + kChunk * kHeadDim;
   __nv_bfloat16* tile_ki = kInSmem ? scratch : scratch + 2 * kChunk * kHeadDim;
@@ -488,7 +492,8 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       *reinterpret_cast<uint2*>(tile_ki + at) = make_uint2(pack_bf16x2(ki[0], ki[1]), pack_bf16x2(ki[2], ki[3]));
     }
   };
-  // Krᵀ rows ch0..ch0+3 as bf16 token pairs: krt_packed[c][i] holds tokens 2i, 2i + 1 of channel ch0 + c.
+  // Straight-line form: Krᵀ rows ch0..ch0+3 as bf16 token pairs, krt_packed[c][i] holding tokens 2i, 2i + 1 of
+  // channel ch0 + c (the looped form stores each turn's pieces instead).
   uint32_t krt_packed[kChannelsPerLane][kChunk / 2];
   if constexpr (kLooped) {
     // kLoopRows rows per turn; their Krᵀ pieces (kLoopRows / 2 token pairs of each channel) leave at its end.
@@ -532,9 +537,9 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     }
   }
   if constexpr (softplus) anchored_late_rows(anchored, ch0, tile_ki);
-  // Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves so that each store
-  // writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's even row, then of
-  // its odd row.
+  // Straight-line form: Krᵀ rows ch0..ch0+3 (16 tokens each, two 16-byte halves, swizzled). Lane pairs trade halves
+  // so that each store writes whole 32-byte rows: the even lane writes half 0 and the odd lane half 1 of the pair's
+  // even row, then of its odd row.
   if constexpr (!kLooped) {
     const bool odd = (lane & 1) != 0;
     const int even_ch0 = ch0 & ~4, odd_ch0 = ch0 | 4;

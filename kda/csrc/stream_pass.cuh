@@ -4,18 +4,18 @@
 // and the step are the preparation kernel's and the finishing pass's (prepare_chunk.cuh, recurrence_step.cuh), so
 // the bits are the chunked plans' and the twin is theirs.
 //
-// One CTA per SM takes the (sequence, head) items b, b + grid, ... in turn. Warps 0..7 (two warpgroups) hold the
-// item's 128 state rows in fp32 registers and run the finishing step of two warpgroups (run_chunks, kPrepFed);
-// warps 8..11 prepare the CTA's chunks in stream order (warp r takes positions r, r + 4, ...) straight into a ring
-// of 6 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the chunk's
-// value rows by cp.async. Six stages for four preparing warps let a warp start its next chunk while the steps are
-// still two chunks behind it. The lower-bound gate's chunks are prepared in the looped form (prepare_chunk.cuh,
-// kLooped: raw q and k straight into the stage's record; the kernel's machine code 9,912 -> 5,360 instructions,
-// so that the preparing warps' code stays in the instruction cache). A stage passes from the preparing warp to the
-// step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two items ahead by
-// bulk copies that each step warp issues for its own rows, one per row into rows padded by 16 bytes (the 4-byte
-// fragment loads are then free of bank conflicts); an fp32 one the step warps load themselves. Final states leave
-// from registers.
+// One CTA per SM takes the (sequence, head) items b, b + grid, ... in turn. Warps 0..7 (two warpgroups) hold the item's
+// 128 state rows in fp32 registers and run the finishing step of two warpgroups (run_chunks with kPrepFed and
+// kRingStages); warps 8..11 prepare the CTA's chunks in stream order (warp r takes positions r, r + 4, ...) straight
+// into a ring of 6 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the
+// chunk's value rows by cp.async. With six stages for four preparing warps, warp r may start position p + 4 once the
+// steps have released p - 2 (with four it waited for p itself). The lower-bound gate's chunks are prepared in the
+// looped form (prepare_chunk.cuh, kLooped: raw q and k straight into the stage's record, phases 0, 1 and 2b as loops,
+// so that the preparing warps' code stays in the instruction cache; the same record bits). A stage passes from the
+// preparing warp to the step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two
+// items ahead by bulk copies that each step warp issues for its own rows, one per row into rows padded by 16 bytes (the
+// 4-byte fragment loads are then free of bank conflicts); an fp32 one the step warps load themselves. Final states
+// leave from registers.
 // Where the two stages cost 3,018 bytes per token-head and the single pass runs preparation and steps in turns,
 // this moves 1,282 and keeps both busy at once.
 #pragma once
