@@ -401,33 +401,30 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   float cum[kChunk][kChannelsPerLane];  // (kLooped: unused)
   float* cum_rows = reinterpret_cast<float*>(scratch + kChunk * kHeadDim);
   float last_cum[kChannelsPerLane];
+  float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
+  auto add_row = [&](int r) {  // row r's gates into the running sums acc
+    float gf[4];
+    unpack4(*reinterpret_cast<const uint2*>(raw_g + r * kHeadDim + ch0), gf);
+#pragma unroll
+    for (int c = 0; c < kChannelsPerLane; ++c) {
+      const float gamma = r < rows ? gate_log2<kGate>(hg, c, gf[c]) : 0.f;
+      acc[c] = __fadd_rn(acc[c], gamma);
+    }
+  };
   if constexpr (kLooped) {
-    float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int r = 0; r < kChunk; ++r) {
-      float gf[4];
-      unpack4(*reinterpret_cast<const uint2*>(raw_g + r * kHeadDim + ch0), gf);
-#pragma unroll
-      for (int c = 0; c < kChannelsPerLane; ++c) {
-        const float gamma = r < rows ? gate_log2<kGate>(hg, c, gf[c]) : 0.f;
-        acc[c] = __fadd_rn(acc[c], gamma);
-      }
+      add_row(r);
       *reinterpret_cast<float4*>(cum_rows + r * kHeadDim + ch0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     }
 #pragma unroll
     for (int c = 0; c < kChannelsPerLane; ++c) last_cum[c] = acc[c];
   } else {
-    float acc[kChannelsPerLane] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < kChunk; ++r) {
-      float gf[4];
-      unpack4(*reinterpret_cast<const uint2*>(raw_g + r * kHeadDim + ch0), gf);
+      add_row(r);
 #pragma unroll
-      for (int c = 0; c < kChannelsPerLane; ++c) {
-        const float gamma = r < rows ? gate_log2<kGate>(hg, c, gf[c]) : 0.f;
-        acc[c] = __fadd_rn(acc[c], gamma);
-        cum[r][c] = acc[c];
-      }
+      for (int c = 0; c < kChannelsPerLane; ++c) cum[r][c] = acc[c];
     }
   }
   const float my_beta = has_beta ? beta_of(p, beta_raw) : 0.f;  // lanes 0..15: β of row `lane`
