@@ -41,8 +41,9 @@ static_assert(kChunk * kAStride * 4 + kChunk * kChunk * 4 <= kPrepTileBytes,
 // The looped form's scratch (prepare_chunk<true, kLowerBound, true>): the tile, then G as fp32 [16][128].
 constexpr int kLoopedScratchBytes = kPrepTileBytes + kChunk * kHeadDim * 4;
 static_assert(kLoopedScratchBytes <= static_cast<int>(sizeof(PrepScratch)), "a PrepScratch holds it");
-constexpr int kLoopRows = 4;  // the looped form's rows per turn of phase 2b
-static_assert(kLoopRows == 4 || kLoopRows == 8, "Krᵀ leaves in pieces of 8 or 16 bytes");
+// The looped form's rows per turn of phase 2b: Krᵀ leaves in 8-byte pieces (two token pairs per channel); 8 rows
+// and 16-byte pieces ran no faster (docs/PERFORMANCE.md, "Which side sets the time").
+constexpr int kLoopRows = 4;
 
 // The lane's leaf of a sum over 128 channels (lane l holding channels 4l..4l+3) of x·y, in the order the twin
 // re-enacts (tree_sum_128): (x0·y0 + x1·y1) + (x2·y2 + x3·y3); a squared norm's with y = x.
@@ -512,12 +513,7 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
       }
 #pragma unroll
       for (int c = 0; c < kChannelsPerLane; ++c) {
-        __nv_bfloat16* dst = rec_krt + swizzle_narrow(ch0 + c, r0);
-        if constexpr (kLoopRows == 8) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(piece[c][0], piece[c][1], piece[c][2], piece[c][3]);
-        } else {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(piece[c][0], piece[c][1]);
-        }
+        *reinterpret_cast<uint2*>(rec_krt + swizzle_narrow(ch0 + c, r0)) = make_uint2(piece[c][0], piece[c][1]);
       }
     }
   } else {
