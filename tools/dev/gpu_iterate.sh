@@ -8,8 +8,9 @@
 #   KDA_TESTS      bazel test arguments  (default: //kda/tests:all --test_tag_filters=-long_context,-sanitizer)
 #   KDA_BENCH      bench_fwd arguments   (default: --peers=moonshot)
 #   KDA_PROFILE    profile_kernels arguments (default: --cases=0,2,3,7 --iters=5)
-#   KDA_VARIANT    PATH=FILE[,PATH=FILE...]: after the benchmark, rebuild with the tree's PATH replaced by FILE
-#                  (e.g. kda/csrc/decode.cu=/tmp/decode_v20.cu), run the same benchmark (bench_variantN.*) and
+#   KDA_VARIANT    PATH=FILE[+PATH=FILE...][,...]: after the benchmark, rebuild with the tree's PATH replaced by
+#                  FILE (e.g. kda/csrc/decode.cu=/tmp/decode_v20.cu; "+" joins the files of one variant), run the
+#                  same benchmark (bench_variantN.*) and
 #                  profile (profile_variantN.log) on it, then put PATH back (bazel-bin keeps the last variant's
 #                  build unless KDA_PROFILE rebuilds the tree after): several kernels measured on one machine; the
 #                  summary shows each variant's CUDA-graph table and stage times
@@ -91,11 +92,13 @@ profile="${KDA_PROFILE---cases=0,2,3,7 --iters=5}"
 for variant in ${variants//,/ }; do
   [[ -n "${bench}${profile}" ]] || break
   vi=$((vi + 1))
-  target="${variant%%=*}"
-  other="${variant#*=}"
-  cp "${target}" "${out}/variant_original"
-  cp "${other}" "${target}"
-  stamp "variant ${vi}: ${target} from ${other}: build, bench_fwd ${bench}, profile_kernels ${profile}"
+  swaps=(${variant//+/ })
+  for si in "${!swaps[@]}"; do
+    target="${swaps[si]%%=*}"
+    cp "${target}" "${out}/variant_original${si}"
+    cp "${swaps[si]#*=}" "${target}"
+  done
+  stamp "variant ${vi}: ${variant}: build, bench_fwd ${bench}, profile_kernels ${profile}"
   if "${bazel}" build --config=ptxas //kda:py //kda/bench:all > "${out}/variant${vi}_build.log" 2>&1; then
     if [[ -n "${bench}" ]]; then
       # shellcheck disable=SC2086
@@ -110,7 +113,7 @@ for variant in ${variants//,/ }; do
   else
     tail -20 "${out}/variant${vi}_build.log"
   fi
-  cp "${out}/variant_original" "${target}"
+  for si in "${!swaps[@]}"; do cp "${out}/variant_original${si}" "${swaps[si]%%=*}"; done
 done
 
 if [[ -n "${KDA_SAVE_TRITON_CACHE:-}" && -d "${TRITON_CACHE_DIR}" ]]; then
