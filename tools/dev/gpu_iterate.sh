@@ -14,6 +14,9 @@
 #                  profile (profile_variantN.log) on it, then put PATH back (bazel-bin keeps the last variant's
 #                  build unless KDA_PROFILE rebuilds the tree after): several kernels measured on one machine; the
 #                  summary shows each variant's CUDA-graph table and stage times
+#   KDA_STEP_TIMEOUT  seconds: each test target's timeout (bazel --test_timeout) and a kill after that long for
+#                  each benchmark and profile run, so that a kernel that never finishes costs one step, not the
+#                  whole iteration (default: no limit)
 #   KDA_PEERS=1    build the peers first (bash .peers/build_peers.sh: a git-ignored script that installs
 #                  them into /tmp/peers-site, docs/PERFORMANCE.md "Reproducing it") in the background
 #   TRITON_CACHE_DIR  fla's Triton/autotuning cache (default /tmp/kda-triton-cache). fla autotunes 70-100 s per
@@ -33,6 +36,11 @@ bazel=tools/offline/bazel-offline
 export PYTHONUNBUFFERED=1
 t0=${SECONDS}
 stamp() { echo "[gpu_iterate $((SECONDS - t0)) s] $*"; }
+step_timeout="${KDA_STEP_TIMEOUT:-}"
+# A benchmark or profile run, killed after KDA_STEP_TIMEOUT seconds when that is set.
+guarded() {
+  if [[ -n "${step_timeout}" ]]; then timeout -s KILL "${step_timeout}" "$@"; else "$@"; fi
+}
 
 peers_pid=""
 if [[ "${KDA_PEERS:-0}" == 1 && -f .peers/build_peers.sh ]]; then
@@ -70,7 +78,7 @@ tests="${KDA_TESTS-//kda/tests:all --test_tag_filters=-long_context,-sanitizer}"
 if [[ -n "${tests}" ]]; then
   stamp "bazel test ${tests}"
   # shellcheck disable=SC2086
-  "${bazel}" test --keep_going ${tests} > "${out}/test.log" 2>&1
+  "${bazel}" test --keep_going ${step_timeout:+--test_timeout=${step_timeout}} ${tests} > "${out}/test.log" 2>&1
   test_rc=$?
 fi
 
@@ -81,7 +89,7 @@ bench="${KDA_BENCH---peers=moonshot}"
 if [[ -n "${bench}" ]]; then
   stamp "bench_fwd ${bench}"
   # shellcheck disable=SC2086
-  "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench.json" --markdown="${out}/bench.md" \
+  guarded "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench.json" --markdown="${out}/bench.md" \
     --png="${out}/bench.png" > "${out}/bench.log" 2>&1
   echo "bench exit status $?" >> "${out}/bench.log"
 fi
@@ -102,13 +110,13 @@ for variant in ${variants//,/ }; do
   if "${bazel}" build --config=ptxas //kda:py //kda/bench:all > "${out}/variant${vi}_build.log" 2>&1; then
     if [[ -n "${bench}" ]]; then
       # shellcheck disable=SC2086
-      "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant${vi}.json" \
+      guarded "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant${vi}.json" \
         --markdown="${out}/bench_variant${vi}.md" > "${out}/bench_variant${vi}.log" 2>&1
       echo "bench exit status $?" >> "${out}/bench_variant${vi}.log"
     fi
     if [[ -n "${profile}" ]]; then
       # shellcheck disable=SC2086
-      "${bazel}" run //kda/bench:profile_kernels -- ${profile} > "${out}/profile_variant${vi}.log" 2>&1
+      guarded "${bazel}" run //kda/bench:profile_kernels -- ${profile} > "${out}/profile_variant${vi}.log" 2>&1
     fi
   else
     tail -20 "${out}/variant${vi}_build.log"
@@ -127,7 +135,7 @@ fi
 if [[ -n "${profile}" ]]; then
   stamp "profile_kernels ${profile}"
   # shellcheck disable=SC2086
-  "${bazel}" run //kda/bench:profile_kernels -- ${profile} > "${out}/profile.log" 2>&1
+  guarded "${bazel}" run //kda/bench:profile_kernels -- ${profile} > "${out}/profile.log" 2>&1
 fi
 
 echo
