@@ -326,6 +326,82 @@ __device__ __forceinline__ void product_epilogue(const float (&a_acc)[2][4], con
   }
 }
 
+// Phases 3 and 4 of a chunk (prepare_chunk) whose phases 0 to 2b have written the record's Kd|Qd block (rec_kq) and
+// the scratch tiles: the products, then INV. my_beta: β of row `lane` (lanes 0..15); diag_sums: the softplus gate's
+// block sums (AnchoredRows; unread for the lower-bound gate).
+template <bool kInSmem, GateKind kGate>
+__device__ __forceinline__ void chunk_products(const __nv_bfloat16* rec_kq, __nv_bfloat16* rec_inv,
+                                               __nv_bfloat16* rec_mqk, __nv_bfloat16* tile_kd, __nv_bfloat16* tile_qd,
+                                               __nv_bfloat16* tile_ki, float my_beta,
+                                               const float (&diag_sums)[kChunk / kAnchorBlock], int lane) {
+  constexpr bool softplus = kGate == GateKind::kSoftplus;
+  // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order (softplus gate: Lk·Rᵀ and Lq·Rᵀ, the
+  // same tiles' places, then anchored_epilogue). Mqk leaves from the
+  // accumulators, causally masked; β·A goes to a dead tile (kd, or ki once read) for the substitution: its factors
+  // A_im·β_i, each rounded once here instead of once by every column's lane (the same value).
+  float* a_rows = reinterpret_cast<float*>(kInSmem ? tile_ki : tile_kd);
+  {
+    float a_acc[2][4] = {}, m_acc[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      uint32_t kd_frag[4], qd_frag[4], ki_frag[4];
+      if constexpr (kInSmem) {
+        ldmatrix_x4(kd_frag, a_frag_in_record(rec_kq, 0, ks, lane));
+        ldmatrix_x4(qd_frag, a_frag_in_record(rec_kq, 1, ks, lane));
+      } else {
+        ldmatrix_x4(kd_frag, a_frag_row(tile_kd, ks, lane));
+        ldmatrix_x4(qd_frag, a_frag_row(tile_qd, ks, lane));
+      }
+      ldmatrix_x4(ki_frag, b_frag_row(tile_ki, ks, lane));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t b[2] = {ki_frag[2 * nt], ki_frag[2 * nt + 1]};
+        mma_bf16_16816(a_acc[nt], kd_frag, b);
+        mma_bf16_16816(m_acc[nt], qd_frag, b);
+      }
+    }
+    __syncwarp();  // every lane's fragments of the tile are read before β·A overwrites it
+    if constexpr (softplus) {
+      anchored_epilogue(a_acc, m_acc, diag_sums, my_beta, a_rows, a_rows + kChunk * kAStride, rec_mqk, lane);
+    } else {
+      product_epilogue(a_acc, m_acc, my_beta, a_rows, rec_mqk, lane);
+    }
+  }
+  __syncwarp();
+
+  // Phase 4: INV by forward substitution (lane j < 16 owns column j, rows in order, m in order).
+  if (lane < kChunk) {
+    const int j = lane;
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) {
+        acc = __fadd_rn(acc, __fmul_rn(a_rows[i * kAStride + m], x[m]));
+      }
+      x[i] = __fsub_rn(i == j ? 1.f : 0.f, acc);
+      rec_inv[swizzle_narrow(i, j)] = __float2bfloat16_rn(x[i]);
+    }
+  }
+}
+
+// Phases 3 and 4 of a chunk that prepare_chunk's looped form has taken through phase 2b into `record` (a ring stage),
+// with `scratch` as it left it; my_beta: what it returned.
+__device__ __forceinline__ void finish_looped_chunk(uint8_t* record, __nv_bfloat16* scratch, float my_beta, int lane) {
+  const float no_sums[kChunk / kAnchorBlock] = {};
+  chunk_products<true, GateKind::kLowerBound>(
+      reinterpret_cast<const __nv_bfloat16*>(record + ChunkRecordLayout::kKdQdOffset),
+      reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kInvOffset),
+      reinterpret_cast<__nv_bfloat16*>(record + ChunkRecordLayout::kMqkOffset), scratch, nullptr, scratch, my_beta,
+      no_sums, lane);
+}
+
+// No work between issuing a chunk's loads and waiting for them (prepare_chunk's default).
+struct NoWork {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // One chunk of one head, by one warp: rows t0 .. t0 + rows - 1 (rows <= 16; the rest are zero) into `record`.
 // kInSmem = false (the preparation kernel): `record` is a workspace record, `scratch` three tiles (PrepScratch).
 // kInSmem = true (the single-pass kernel; the stream pass with kLooped): `record` is a ring stage in shared memory
@@ -336,13 +412,16 @@ __device__ __forceinline__ void product_epilogue(const float (&a_acc)[2][4], con
 // On return every async copy this warp issued before the call has landed too.
 // Unless kLooped, every row of Krᵀ and of Mqk leaves as one whole 32-byte L2 sector (lane pairs trade halves)
 // rather than two partial ones: the L2 is the busiest unit of the preparation kernel (docs/DESIGN.md, "Floors").
-// kLooped (the stream pass, kInSmem and the lower-bound gate): phases 0, 1 and 2b run as loops (2a and 4 stay
-// unrolled), so that a preparing warp's code stays in the instruction cache beside the step warps' (docs/DESIGN.md,
-// "The stream pass"). The running sums G go to shared memory behind the tile instead of registers, and Krᵀ leaves
-// every kLoopRows rows. The same arithmetic in the same order: the record's bits are the same.
-template <bool kInSmem, GateKind kGate = GateKind::kLowerBound, bool kLooped = false>
-__device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
-                                              __nv_bfloat16* scratch, int lane) {
+// kLooped (the stream pass, kInSmem and the lower-bound gate): phases 1 and 2b run as loops (2a stays unrolled), so
+// that a preparing warp's code stays in the instruction cache beside the step warps' (docs/DESIGN.md, "The stream
+// pass"). The running sums G go to shared memory behind the tile instead of registers, raw g to the record's Krᵀ
+// block, and Krᵀ leaves every kLoopRows rows. while_loading() runs once the chunk's loads are issued, before any
+// is awaited (the stream pass finishes its previous chunk there), and phases 3 and 4 are left to the caller
+// (finish_looped_chunk, with the returned β). The same arithmetic in the same order: the record's bits are the same.
+// Returns β of row `lane` (lanes 0..15).
+template <bool kInSmem, GateKind kGate = GateKind::kLowerBound, bool kLooped = false, typename WhileLoading = NoWork>
+__device__ __forceinline__ float prepare_chunk(const FwdParams& p, int h, int64_t t0, int rows, uint8_t* record,
+                                               __nv_bfloat16* scratch, int lane, WhileLoading while_loading = {}) {
   const int H = p.heads;
   const int hk = key_head_of(p, h);
   const auto* q = static_cast<const __nv_bfloat16*>(p.q);
@@ -371,7 +450,9 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   // Where the raw rows of q, k and g land (8 bytes per lane and row).
   auto raw_q = [&](int r) { return kInSmem ? rec_kq + record_kq(1, r, ch0) : tile_qd + r * kHeadDim + ch0; };
   auto raw_k = [&](int r) { return kInSmem ? rec_kq + record_kq(0, r, ch0) : tile_ki + r * kHeadDim + ch0; };
-  __nv_bfloat16* raw_g = kInSmem ? tile_ki : tile_kd;
+  // (kLooped: the record's Krᵀ block, written only once phase 1 has read g, so that the tile stays free for the
+  // previous chunk's phases 3 and 4 while this chunk's copies are in flight.)
+  __nv_bfloat16* raw_g = kLooped ? rec_krt : (kInSmem ? tile_ki : tile_kd);
 
   // Phase 0: the q, k and g rows go to shared memory by async copies (one 8-byte copy per lane, row and input,
   // zeros past the end of the sequence), all issued before the first is needed, so an item costs one memory
@@ -385,16 +466,40 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
     cp_async_8(raw_g + r * kHeadDim + ch0, g + at, valid ? 8 : 0);
   };
   if constexpr (kLooped) {
-#pragma unroll 4
-    for (int r = 0; r < kChunk; ++r) load_row(r);
+    // The sources advance by a token's stride (64-bit adds, where load_row recomputes each row's offset in 64-bit
+    // products) and stay on the last valid row past the end (read nothing there: zero bytes).
+    const int64_t stride = static_cast<int64_t>(H) * kHeadDim;
+    const int64_t key_stride = static_cast<int64_t>(p.key_heads) * kHeadDim;
+    const __nv_bfloat16* q_src = q + key_row_offset(0);
+    const __nv_bfloat16* k_src = k + key_row_offset(0);
+    const __nv_bfloat16* g_src = g + row_offset(0);
+#pragma unroll
+    for (int r = 0; r < kChunk; ++r) {
+      const int bytes = r < rows ? 8 : 0;
+      cp_async_8(raw_q(r), q_src, bytes);
+      cp_async_8(raw_k(r), k_src, bytes);
+      cp_async_8(raw_g + r * kHeadDim + ch0, g_src, bytes);
+      if (r + 1 < rows) q_src += key_stride, k_src += key_stride, g_src += stride;
+    }
   } else {
 #pragma unroll
     for (int r = 0; r < kChunk; ++r) load_row(r);
   }
   cp_async_commit();
-  const HeadGate hg = head_gate(p, h, ch0);
   const bool has_beta = lane < rows;  // lanes 0..15 own β of row `lane`
-  const float beta_raw = has_beta ? bf16_to_float(beta[(t0 + lane) * H + h]) : 0.f;
+  HeadGate hg;
+  float beta_raw;
+  if constexpr (kLooped) {
+    // The parameters' and β's loads are issued, then while_loading() runs before any of their registers is read.
+    const HeadGateBits bits = load_head_gate_bits(p, h, ch0);
+    const __nv_bfloat16 beta_bits = has_beta ? beta[(t0 + lane) * H + h] : __float2bfloat16_rn(0.f);
+    while_loading();
+    hg = head_gate_from(p, bits);
+    beta_raw = bf16_to_float(beta_bits);
+  } else {
+    hg = head_gate(p, h, ch0);
+    beta_raw = has_beta ? bf16_to_float(beta[(t0 + lane) * H + h]) : 0.f;
+  }
   cp_async_wait<0>();
   __syncwarp();
 
@@ -552,55 +657,11 @@ __device__ __forceinline__ void prepare_chunk(const FwdParams& p, int h, int64_t
   }
   __syncwarp();
 
-  // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order (softplus gate: Lk·Rᵀ and Lq·Rᵀ, the
-  // same tiles' places, then anchored_epilogue). Mqk leaves from the
-  // accumulators, causally masked; β·A goes to a dead tile (kd, or ki once read) for the substitution: its factors
-  // A_im·β_i, each rounded once here instead of once by every column's lane (the same value).
-  float* a_rows = reinterpret_cast<float*>(kInSmem ? tile_ki : tile_kd);
-  {
-    float a_acc[2][4] = {}, m_acc[2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      uint32_t kd_frag[4], qd_frag[4], ki_frag[4];
-      if constexpr (kInSmem) {
-        ldmatrix_x4(kd_frag, a_frag_in_record(rec_kq, 0, ks, lane));
-        ldmatrix_x4(qd_frag, a_frag_in_record(rec_kq, 1, ks, lane));
-      } else {
-        ldmatrix_x4(kd_frag, a_frag_row(tile_kd, ks, lane));
-        ldmatrix_x4(qd_frag, a_frag_row(tile_qd, ks, lane));
-      }
-      ldmatrix_x4(ki_frag, b_frag_row(tile_ki, ks, lane));
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t b[2] = {ki_frag[2 * nt], ki_frag[2 * nt + 1]};
-        mma_bf16_16816(a_acc[nt], kd_frag, b);
-        mma_bf16_16816(m_acc[nt], qd_frag, b);
-      }
-    }
-    __syncwarp();  // every lane's fragments of the tile are read before β·A overwrites it
-    if constexpr (softplus) {
-      anchored_epilogue(a_acc, m_acc, anchored.diag_sums, my_beta, a_rows, a_rows + kChunk * kAStride, rec_mqk, lane);
-    } else {
-      product_epilogue(a_acc, m_acc, my_beta, a_rows, rec_mqk, lane);
-    }
+  if constexpr (!kLooped) {
+    chunk_products<kInSmem, kGate>(rec_kq, rec_inv, rec_mqk, tile_kd, tile_qd, tile_ki, my_beta, anchored.diag_sums,
+                                   lane);
   }
-  __syncwarp();
-
-  // Phase 4: INV by forward substitution (lane j < 16 owns column j, rows in order, m in order).
-  if (lane < kChunk) {
-    const int j = lane;
-    float x[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float acc = 0.f;
-#pragma unroll
-      for (int m = 0; m < i; ++m) {
-        acc = __fadd_rn(acc, __fmul_rn(a_rows[i * kAStride + m], x[m]));
-      }
-      x[i] = __fsub_rn(i == j ? 1.f : 0.f, acc);
-      rec_inv[swizzle_narrow(i, j)] = __float2bfloat16_rn(x[i]);
-    }
-  }
+  return my_beta;
 }
 
 

@@ -10,8 +10,10 @@
 // into a ring of 6 shared-memory stages: the record, written where the finishing pass's bulk copy would put it, and the
 // chunk's value rows by cp.async. With six stages for four preparing warps, warp r may start position p + 4 once the
 // steps have released p - 2 (with four it waited for p itself). The lower-bound gate's chunks are prepared in the
-// looped form (prepare_chunk.cuh, kLooped: raw q and k straight into the stage's record, phases 0, 1 and 2b as loops,
-// so that the preparing warps' code stays in the instruction cache; the same record bits). A stage passes from the
+// looped form (prepare_chunk.cuh, kLooped: raw q and k straight into the stage's record, phases 1 and 2b as loops,
+// so that the preparing warps' code stays in the instruction cache; the same record bits), and a warp finishes a
+// chunk's products only once its next chunk's loads are in flight, so that their memory round trip overlaps work
+// (the warp then holds two stages for a while: kRingStages > kPrepWarps). A stage passes from the
 // preparing warp to the step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two
 // items ahead by bulk copies that each step warp issues for its own rows, one per row into rows padded by 16 bytes (the
 // 4-byte fragment loads are then free of bank conflicts); an fp32 one the step warps load themselves. Final states
@@ -63,6 +65,9 @@ struct StreamSmem {
   static constexpr int kLaunchBytes = kBytes + 1024;  // room to align the ring's start
 };
 static_assert(StreamSmem::kLaunchBytes <= 227 * 1024, "one CTA per SM");
+// A preparing warp holds chunk c (its phases 3 and 4 pending) while it waits for the stage of c + kPrepWarps, which
+// the steps free once they are done with c + kPrepWarps - kRingStages: that must come before c.
+static_assert(kRingStages > kPrepWarps, "a preparing warp would wait for a stage its held chunk blocks");
 
 // A step warp's part of loading `item`'s initial state into a stage: warp 0 writes the state slot (its sequence's,
 // state_slots.cuh) into the stage's word and arrives (expecting a bf16 state's bytes, or plainly for zeros or an
@@ -115,6 +120,18 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
   const auto* v = static_cast<const __nv_bfloat16*>(p.v);
   uint32_t pos = static_cast<uint32_t>(r);
   uint32_t item_start = 0;  // the stream position of the item's first chunk
+  // The lower-bound gate's looped form leaves a chunk's phases 3 and 4 (prep::chunk_products) until the warp's next
+  // chunk has issued its loads: the held stage (or -1) and its β (lanes 0..15).
+  int held_stage = -1;
+  float held_beta = 0.f;
+  auto finish_held = [&]() {
+    if constexpr (kGate == GateKind::kLowerBound) {
+      if (held_stage < 0) return;
+      prep::finish_looped_chunk(smem + held_stage * Ring::kStageBytes, scratch->kd, held_beta, lane);
+      fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
+      mbarrier_arrive(&full[held_stage]);
+    }
+  };
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t n = item / p.heads;
     const int h = static_cast<int>(item % p.heads);
@@ -130,24 +147,31 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
       const int rows = static_cast<int>(min(len - c * kChunk, static_cast<int64_t>(kChunk)));
       // The value rows, 16 bytes per lane and piece (rows past the sequence zero-filled from its first value); the
       // preparation's own wait for its copies covers these.
-      const __nv_bfloat16* v_chunk = v + t0 * token_stride + h * kHeadDim;
+      // Lane l copies column piece l % 16 of rows l / 16, l / 16 + 2, ...; its source advances two tokens a turn and
+      // stays on a valid row past the end.
+      const int lane_row = lane / (kHeadDim / 8), col = 8 * (lane % (kHeadDim / 8));
+      const __nv_bfloat16* v_src =
+          v + t0 * token_stride + h * kHeadDim + col + (lane_row < rows ? lane_row * token_stride : 0);
+      uint8_t* v_dst = stage + Ring::kValueOffset + lane_row * Ring::kValueStride + 2 * col;
 #pragma unroll
       for (int i = 0; i < kChunk * kHeadDim / 8 / 32; ++i) {
-        const int piece = lane + 32 * i, row = piece / (kHeadDim / 8), col = 8 * (piece % (kHeadDim / 8));
-        const bool valid = row < rows;
-        cp_async_16(stage + Ring::kValueOffset + row * Ring::kValueStride + 2 * col,
-                    valid ? v_chunk + row * token_stride + col : v_chunk, valid ? 16 : 0);
+        const int row = lane_row + 2 * i;
+        cp_async_16(v_dst + 2 * i * Ring::kValueStride, v_src, row < rows ? 16 : 0);
+        if (row + 2 < rows) v_src += 2 * token_stride;
       }
       if constexpr (kGate == GateKind::kLowerBound) {
-        prep::prepare_chunk<true, kGate, true>(p, h, t0, rows, stage, scratch->kd, lane);
+        // The previous chunk's products run while this one's loads are in flight.
+        held_beta = prep::prepare_chunk<true, kGate, true>(p, h, t0, rows, stage, scratch->kd, lane, finish_held);
+        held_stage = stage_index;
       } else {
         prep::prepare_chunk<false, kGate>(p, h, t0, rows, stage, scratch->kd, lane);
+        fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
+        mbarrier_arrive(&full[stage_index]);
       }
-      fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
-      mbarrier_arrive(&full[stage_index]);
     }
     item_start += chunks;
   }
+  finish_held();
 }
 
 }  // namespace stream_pass
