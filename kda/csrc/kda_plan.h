@@ -313,10 +313,12 @@ inline bool decode_chunk_runs(int64_t total_tokens, int64_t num_seqs, int state_
 // bound), and at least one (sequence, head) item per SM (a call of one or a few heads can exceed the short-sequence
 // bounds on the chunked arithmetic; many heads average them out, and the persistent kernel needs them to pay).
 // Shorter sequences keep the decode kernels' accuracy.
+// (Its preparing warps count the items in 32 bits; a call of 2^31 items would hold terabytes of inputs.)
+constexpr int64_t kStreamPassMaxItems = (int64_t{1} << 31) - 1;
 inline bool stream_pass_runs(bool varlen, int64_t seqlen, int state_tokens, bool checkpoints, bool fp32_final,
                              int64_t items, int sm_count) {
   return !varlen && seqlen == kChunk && state_tokens == 0 && !checkpoints && !fp32_final && items >= sm_count &&
-         sm_count > 0;
+         sm_count > 0 && items <= kStreamPassMaxItems;
 }
 
 // The plan for a call, with whatever `forced` fixes.

@@ -32,6 +32,11 @@ void launch_stream_pass(const FwdParams& p, cudaStream_t stream) {
   if (p.final_state != nullptr && p.final_is_fp32) {
     throw std::logic_error("flash_kda: the stream pass writes bf16 final states only (kda_plan.h, stream_pass_runs)");
   }
+  // Its preparing warps take each item as one whole chunk and count the items in 32 bits.
+  if (p.cu_seqlens != nullptr || p.seqlen != kChunk || p.num_seqs * p.heads > kStreamPassMaxItems) {
+    throw std::logic_error("flash_kda: the stream pass takes fixed-length calls of 16 tokens below 2^31 (sequence, "
+                           "head) items only (kda_plan.h, stream_pass_runs)");
+  }
   if (p.initial_is_fp32) {
     launch_stream_pass_typed<float, __nv_bfloat16>(p, stream);
   } else {

@@ -109,17 +109,18 @@ __device__ __forceinline__ void load_staged_rows(StateRows& s, const uint8_t* st
   }
 }
 
-// A preparing warp: stream positions r, r + P, ... of the CTA's chunks (its items' chunks in order).
+// A preparing warp: the CTA's items r, r + P, ... (item i of the CTA is blockIdx.x + i·gridDim.x). Every item is
+// one whole chunk (stream_pass_runs: fixed-length calls of 16 tokens), so a stream position is an item and no row
+// is past the end: the warp visits only its own items, and `rows` is the constant kChunk.
 template <GateKind kGate>
 __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem, int r, int lane) {
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ring::kBarrierOffset);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + Ring::kEmptyOffset);
   auto* scratch = reinterpret_cast<prep::PrepScratch*>(smem + StreamSmem::kScratchOffset) + r;
-  const int64_t items = p.num_seqs * p.heads;
+  const uint32_t items = static_cast<uint32_t>(p.num_seqs * p.heads);  // (below 2^31: stream_pass_runs)
+  const uint32_t heads = static_cast<uint32_t>(p.heads);
   const int64_t token_stride = static_cast<int64_t>(p.heads) * kHeadDim;
   const auto* v = static_cast<const __nv_bfloat16*>(p.v);
-  uint32_t pos = static_cast<uint32_t>(r);
-  uint32_t item_start = 0;  // the stream position of the item's first chunk
   // The lower-bound gate's looped form leaves a chunk's phases 3 and 4 (prep::chunk_products) until the warp's next
   // chunk has issued its loads: the held stage (or -1) and its β (lanes 0..15).
   int held_stage = -1;
@@ -132,44 +133,33 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
       mbarrier_arrive(&full[held_stage]);
     }
   };
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t n = item / p.heads;
-    const int h = static_cast<int>(item % p.heads);
-    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
-    const int64_t len = b.eos - b.bos;
-    const uint32_t chunks = static_cast<uint32_t>((len + kChunk - 1) / kChunk);
-    for (; pos - item_start < chunks; pos += kPrepWarps) {
-      const int64_t c = pos - item_start;
-      const int stage_index = static_cast<int>(pos % kRingStages);
-      mbarrier_wait_parity_warp(&empty[stage_index], ((pos / kRingStages) & 1u) ^ 1u);
-      uint8_t* stage = smem + stage_index * Ring::kStageBytes;
-      const int64_t t0 = b.bos + c * kChunk;
-      const int rows = static_cast<int>(min(len - c * kChunk, static_cast<int64_t>(kChunk)));
-      // The value rows, 16 bytes per lane and piece (rows past the sequence zero-filled from its first value); the
-      // preparation's own wait for its copies covers these.
-      // Lane l copies column piece l % 16 of rows l / 16, l / 16 + 2, ...; its source advances two tokens a turn and
-      // stays on a valid row past the end.
-      const int lane_row = lane / (kHeadDim / 8), col = 8 * (lane % (kHeadDim / 8));
-      const __nv_bfloat16* v_src =
-          v + t0 * token_stride + h * kHeadDim + col + (lane_row < rows ? lane_row * token_stride : 0);
-      uint8_t* v_dst = stage + Ring::kValueOffset + lane_row * Ring::kValueStride + 2 * col;
+  uint32_t pos = static_cast<uint32_t>(r);
+  for (uint32_t item = blockIdx.x + r * gridDim.x; item < items; item += kPrepWarps * gridDim.x, pos += kPrepWarps) {
+    const int64_t n = item / heads;
+    const int h = static_cast<int>(item % heads);
+    const int stage_index = static_cast<int>(pos % kRingStages);
+    mbarrier_wait_parity_warp(&empty[stage_index], ((pos / kRingStages) & 1u) ^ 1u);
+    uint8_t* stage = smem + stage_index * Ring::kStageBytes;
+    const int64_t t0 = n * kChunk;
+    // The value rows, 16 bytes per lane and piece: lane l copies column piece l % 16 of rows l / 16, l / 16 + 2,
+    // ...; the preparation's own wait for its copies covers these.
+    const int lane_row = lane / (kHeadDim / 8), col = 8 * (lane % (kHeadDim / 8));
+    const __nv_bfloat16* v_src = v + (t0 + lane_row) * token_stride + h * kHeadDim + col;
+    uint8_t* v_dst = stage + Ring::kValueOffset + lane_row * Ring::kValueStride + 2 * col;
 #pragma unroll
-      for (int i = 0; i < kChunk * kHeadDim / 8 / 32; ++i) {
-        const int row = lane_row + 2 * i;
-        cp_async_16(v_dst + 2 * i * Ring::kValueStride, v_src, row < rows ? 16 : 0);
-        if (row + 2 < rows) v_src += 2 * token_stride;
-      }
-      if constexpr (kGate == GateKind::kLowerBound) {
-        // The previous chunk's products run while this one's loads are in flight.
-        held_beta = prep::prepare_chunk<true, kGate, true>(p, h, t0, rows, stage, scratch->kd, lane, finish_held);
-        held_stage = stage_index;
-      } else {
-        prep::prepare_chunk<false, kGate>(p, h, t0, rows, stage, scratch->kd, lane);
-        fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
-        mbarrier_arrive(&full[stage_index]);
-      }
+    for (int i = 0; i < kChunk * kHeadDim / 8 / 32; ++i) {
+      cp_async_16(v_dst + 2 * i * Ring::kValueStride, v_src, 16);
+      v_src += 2 * token_stride;
     }
-    item_start += chunks;
+    if constexpr (kGate == GateKind::kLowerBound) {
+      // The previous chunk's products run while this one's loads are in flight.
+      held_beta = prep::prepare_chunk<true, kGate, true>(p, h, t0, kChunk, stage, scratch->kd, lane, finish_held);
+      held_stage = stage_index;
+    } else {
+      prep::prepare_chunk<false, kGate>(p, h, t0, kChunk, stage, scratch->kd, lane);
+      fence_proxy_async_shared();  // the record's stores before the step warps' wgmma read it
+      mbarrier_arrive(&full[stage_index]);
+    }
   }
   finish_held();
 }

@@ -1901,8 +1901,8 @@ def test_decode_chunk_step_choice():
 
 def test_stream_pass_choice():
     """Under a decode plan the stream pass runs fixed-length calls of exactly 16 tokens per sequence without per-token
-    states, checkpoints or an fp32 final state, of at least one (sequence, head) item per SM (kda_plan.h,
-    stream_pass_runs); every other call keeps the decode kernels."""
+    states, checkpoints or an fp32 final state, of at least one (sequence, head) item per SM and fewer than 2^31
+    items (kda_plan.h, stream_pass_runs); every other call keeps the decode kernels."""
     from flash_kda import planning
 
     def runs(varlen=False, seqlen=16, state_tokens=0, checkpoints=False, fp32_final=False, items=64 * 32, sms=132):
@@ -1920,6 +1920,8 @@ def test_stream_pass_choice():
     assert not runs(state_tokens=4)
     assert not runs(checkpoints=True)
     assert not runs(items=0, sms=0)
+    assert runs(items=2**31 - 1)
+    assert not runs(items=2**31)  # its preparing warps count items in 32 bits
     with pytest.raises(ValueError, match="items"):
         runs(items=-1)
 
