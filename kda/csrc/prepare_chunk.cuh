@@ -336,9 +336,9 @@ __device__ __forceinline__ void chunk_products(const __nv_bfloat16* rec_kq, __nv
                                                const float (&diag_sums)[kChunk / kAnchorBlock], int lane) {
   constexpr bool softplus = kGate == GateKind::kSoftplus;
   // Phase 3: A = Kd·Kiᵀ and Mqk = Qd·Kiᵀ on the tensor cores, k-steps in order (softplus gate: Lk·Rᵀ and Lq·Rᵀ, the
-  // same tiles' places, then anchored_epilogue). Mqk leaves from the
-  // accumulators, causally masked; β·A goes to a dead tile (kd, or ki once read) for the substitution: its factors
-  // A_im·β_i, each rounded once here instead of once by every column's lane (the same value).
+  // same tiles' places, then anchored_epilogue). Mqk leaves from the accumulators, causally masked; β·A goes to a
+  // dead tile (kd, or ki once read) for the substitution: its factors A_im·β_i, each rounded once here instead of
+  // once by every column's lane (the same value).
   float* a_rows = reinterpret_cast<float*>(kInSmem ? tile_ki : tile_kd);
   {
     float a_acc[2][4] = {}, m_acc[2][4] = {};

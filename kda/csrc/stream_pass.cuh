@@ -13,11 +13,11 @@
 // looped form (prepare_chunk.cuh, kLooped: raw q and k straight into the stage's record, phases 1 and 2b as loops,
 // so that the preparing warps' code stays in the instruction cache; the same record bits), and a warp finishes a
 // chunk's products only once its next chunk's loads are in flight, so that their memory round trip overlaps work
-// (the warp then holds two stages for a while: kRingStages > kPrepWarps). A stage passes from the
-// preparing warp to the step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two
-// items ahead by bulk copies that each step warp issues for its own rows, one per row into rows padded by 16 bytes (the
-// 4-byte fragment loads are then free of bank conflicts); an fp32 one the step warps load themselves. Final states
-// leave from registers.
+// (the warp then holds two stages for a while: kRingStages > kPrepWarps). A stage passes from the preparing warp to
+// the step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two items ahead by
+// bulk copies that each step warp issues for its own rows, one per row into rows padded by 16 bytes (the 4-byte
+// fragment loads are then free of bank conflicts); an fp32 one the step warps load themselves. Final states leave
+// from registers.
 // Where the two stages cost 3,018 bytes per token-head and the single pass runs preparation and steps in turns,
 // this moves 1,282 and keeps both busy at once.
 #pragma once
