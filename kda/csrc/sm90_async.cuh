@@ -96,6 +96,18 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
       : "memory");
 }
 
+// ---- tensor copy global -> shared through a tensor map (TMA), completing on an mbarrier -----------------------
+// `map`: the address of a __grid_constant__ CUtensorMap kernel parameter; c0 the innermost coordinate. One thread
+// issues it; the box lands in shared memory laid out (and swizzled) as the map says.
+__device__ __forceinline__ void tensor_copy_3d_g2s(void* smem_dst, const void* map, int c0, int c1, int c2,
+                                                   uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(smem_addr(smem_dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // ---- 1-D bulk copy shared -> global in bulk groups (16-byte aligned, size % 16 == 0) ------------------------
 // The writing threads' stores must be ordered before it with fence_proxy_async_shared; the source may be reused
 // (or the CTA exit) once bulk_wait_read_all returns, and the global writes are visible when the grid completes.

@@ -15,8 +15,8 @@
 // chunk's products only once its next chunk's loads are in flight, so that their memory round trip overlaps work
 // (the warp then holds two stages for a while: kRingStages > kPrepWarps). A stage passes from the preparing warp to
 // the step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two items ahead by
-// bulk copies that each step warp issues for its own rows, one per row into rows padded by 16 bytes (the 4-byte
-// fragment loads are then free of bank conflicts); an fp32 one the step warps load themselves. Final states leave
+// two tensor-map copies (state_tensor_map.h) that one thread issues, swizzled by 128 bytes so that the step warps'
+// 4-byte fragment loads are free of bank conflicts; an fp32 one the step warps load themselves. Final states leave
 // from registers.
 // Where the two stages cost 3,018 bytes per token-head and the single pass runs preparation and steps in turns,
 // this moves 1,282 and keeps both busy at once.
@@ -42,6 +42,7 @@
 #include "kda/csrc/sm_count.h"
 #include "kda/csrc/smem_opt_in.h"
 #include "kda/csrc/state_slots.cuh"
+#include "kda/csrc/state_tensor_map.h"
 
 namespace kda {
 namespace stream_pass {
@@ -53,11 +54,12 @@ constexpr int kRingStages = 6;   // prepared chunks in flight
 constexpr int kStateStages = 2;  // initial states in flight
 using Ring = RecurrenceSmem<kStepWarps, kRingStages>;
 constexpr int kStateRowBytes = kHeadDim * 2;  // a bf16 state row
-constexpr int kStatePitch = kStateRowBytes + 16;
-constexpr int kStateStageBytes = kHeadDim * kStatePitch;
+// A state stage: two halves of 64 columns, each 128 rows of 128 bytes as the tensor map's 128-byte swizzle lays them.
+constexpr int kStateHalfBytes = kHeadDim * kStateBoxColumns * 2;
+constexpr int kStateStageBytes = 2 * kStateHalfBytes;
 
 struct StreamSmem {
-  static constexpr int kStateOffset = (Ring::kBytes + 127) / 128 * 128;
+  static constexpr int kStateOffset = (Ring::kBytes + 1023) / 1024 * 1024;  // the swizzle's 1024-byte alignment
   static constexpr int kStateFullOffset = kStateOffset + kStateStages * kStateStageBytes;
   static constexpr int kStateSlotOffset = kStateFullOffset + kStateStages * 8;  // the stage's slot (int64), or -1
   static constexpr int kScratchOffset = (kStateSlotOffset + kStateStages * 8 + 127) / 128 * 128;
@@ -69,42 +71,37 @@ static_assert(StreamSmem::kLaunchBytes <= 227 * 1024, "one CTA per SM");
 // the steps free once they are done with c + kPrepWarps - kRingStages: that must come before c.
 static_assert(kRingStages > kPrepWarps, "a preparing warp would wait for a stage its held chunk blocks");
 
-// A step warp's part of loading `item`'s initial state into a stage: warp 0 writes the state slot (its sequence's,
-// state_slots.cuh) into the stage's word and arrives (expecting a bf16 state's bytes, or plainly for zeros or an
-// fp32 state the step warps read themselves); every step warp copies its own 16 rows of a bf16 state (lane i < 16
-// copies row v_base + i). Each lane's bulk copy is issued on its own (the address is per lane): split over the
-// eight warps, a warp issues 16 instead of 128 (which took warp 0 about half the kernel at B64 T16 H32, Nsight
-// Compute). Copies completing before warp 0's expect-tx leave the stage's phase open: warp 0's arrival is pending.
+// Starts loading `item`'s initial state into a stage (one thread): writes the state slot (its sequence's,
+// state_slots.cuh) into the stage's word and arrives, expecting a bf16 state's bytes from the two tensor-map copies
+// of its halves, or plainly for zeros or an fp32 state the step warps read themselves.
 template <typename InitT>
-__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t item, int64_t slot, uint8_t* smem,
-                                                 int stage, int warp, int lane) {
+__device__ __forceinline__ void start_state_load(const FwdParams& p, const CUtensorMap& state_map, int64_t item,
+                                                 int64_t slot, uint8_t* smem, int stage) {
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + StreamSmem::kStateFullOffset) + stage;
-  const int h = static_cast<int>(item % p.heads);
-  const bool load = std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && slot >= 0;
-  if (warp == 0 && lane == 0) {
-    reinterpret_cast<int64_t*>(smem + StreamSmem::kStateSlotOffset)[stage] = slot;
-    if (load) {
-      mbarrier_arrive_expect_tx(full, kHeadDim * kStateRowBytes);
-    } else {
-      mbarrier_arrive(full);
-    }
-  }
-  if (load && lane < 16) {
-    const int row = warp * 16 + lane;
-    const auto* src = static_cast<const InitT*>(p.initial_state) + state_offset(p, slot, h) + row * kHeadDim;
-    bulk_copy_g2s(smem + StreamSmem::kStateOffset + stage * kStateStageBytes + row * kStatePitch, src,
-                  kStateRowBytes, full);
+  reinterpret_cast<int64_t*>(smem + StreamSmem::kStateSlotOffset)[stage] = slot;
+  if (std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && slot >= 0) {
+    mbarrier_arrive_expect_tx(full, kStateStageBytes);
+    // (slot · H + h < 2^31: bf16_state_tensor_map)
+    const int plane = static_cast<int>(slot * p.heads + item % p.heads);
+    uint8_t* dst = smem + StreamSmem::kStateOffset + stage * kStateStageBytes;
+    tensor_copy_3d_g2s(dst, &state_map, 0, 0, plane, full);
+    tensor_copy_3d_g2s(dst + kStateHalfBytes, &state_map, kStateBoxColumns, 0, plane, full);
+  } else {
+    mbarrier_arrive(full);
   }
 }
 
-// This warp's 16 state rows (StateRows layout) from a padded bf16 stage: one 4-byte load per n-tile and row.
+// This warp's 16 state rows (StateRows layout) from a stage: the 16-byte piece j of row r of a half sits at piece
+// j ^ (r % 8) (the 128-byte swizzle), so a warp's 4-byte loads of one n-tile meet 32 different banks.
 __device__ __forceinline__ void load_staged_rows(StateRows& s, const uint8_t* stage, int v_base, int gi, int ti) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const auto* row = reinterpret_cast<const __nv_bfloat16*>(stage + (v_base + gi + 8 * half) * kStatePitch);
+    const int row = v_base + gi + 8 * half;  // row % 8 == gi
+    const uint8_t* at = stage + row * (kStateBoxColumns * 2) + 4 * ti;
 #pragma unroll
     for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      load_pair<__nv_bfloat16>(row + 8 * nt + 2 * ti, s[nt][2 * half], s[nt][2 * half + 1]);
+      const auto* pair = reinterpret_cast<const __nv_bfloat16*>(at + (nt / 8) * kStateHalfBytes + ((nt % 8) ^ gi) * 16);
+      load_pair<__nv_bfloat16>(pair, s[nt][2 * half], s[nt][2 * half + 1]);
     }
   }
 }
@@ -167,7 +164,8 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
 }  // namespace stream_pass
 
 template <typename InitT, typename FinalT, GateKind kGate, bool kHiLo>
-__global__ void __launch_bounds__(stream_pass::kThreads, 1) kda_stream_pass_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(stream_pass::kThreads, 1)
+    kda_stream_pass_kernel(const FwdParams p, const __grid_constant__ CUtensorMap state_map) {
   using namespace stream_pass;
   extern __shared__ __align__(128) uint8_t dynamic_smem[];
   uint8_t* smem = aligned_ring(dynamic_smem);
@@ -199,9 +197,11 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1) kda_stream_pass_kern
   const int gi = lane >> 2, ti = lane & 3;
   const int v_base = warp * 16;
   const int64_t stride = gridDim.x;
-  for (int st = 0; st < kStateStages; ++st) {
-    const int64_t first = blockIdx.x + st * stride;
-    if (first < items) start_state_load<InitT>(p, first, state_slot(p, first / p.heads), smem, st, warp, lane);
+  if (warp == 0 && lane == 0) {
+    for (int st = 0; st < kStateStages; ++st) {
+      const int64_t first = blockIdx.x + st * stride;
+      if (first < items) start_state_load<InitT>(p, state_map, first, state_slot(p, first / p.heads), smem, st);
+    }
   }
   int state_stage = 0;
   uint32_t state_phase = 0;
@@ -225,21 +225,21 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1) kda_stream_pass_kern
       fill_rows(s, 0.f);
     }
     // Every step warp has its rows (named barrier 1): the stage may be refilled, with the state of the item two
-    // ahead. Each step warp loads that item's state index now and issues its copies after this item's steps, so
+    // ahead. Warp 0 loads that item's state index now and its lane 0 issues the copies after this item's steps, so
     // that no wgmma waits for the index's load.
     asm volatile("bar.sync 1, %0;" ::"n"(kStepWarps * 32) : "memory");
     const int64_t refill_item = item + kStateStages * stride;
     const int refill_stage = state_stage;
     SlotBits refill_bits{0, 0};
-    if (refill_item < items) refill_bits = load_slot_bits(p, refill_item / p.heads);
+    if (warp == 0 && refill_item < items) refill_bits = load_slot_bits(p, refill_item / p.heads);
     if (++state_stage == kStateStages) state_stage = 0, state_phase ^= 1u;
 
     ring = run_chunks<kStepWarps, true, true, true, kHiLo, kRingStages, false, NoChunkEnd, true>(
         p, smem, ring_full, n, h, b, 0, chunks, v_base, s, NoChunkEnd{}, static_cast<int>(ring & 0xFFFFu),
         ring >> 16);
 
-    if (refill_item < items) {
-      start_state_load<InitT>(p, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage, warp, lane);
+    if (warp == 0 && lane == 0 && refill_item < items) {
+      start_state_load<InitT>(p, state_map, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage);
     }
     if (p.final_state != nullptr && slot >= 0) {
       store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
@@ -256,7 +256,13 @@ void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream) {
       opt_in_dynamic_smem<kernel>(stream_pass::StreamSmem::kLaunchBytes);
       const int64_t items = p.num_seqs * p.heads;
       const int64_t grid = items < sms ? items : sms;
-      kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, stream_pass::StreamSmem::kLaunchBytes, stream>>>(p);
+      CUtensorMap state_map{};
+      // (An empty pool has no slot to read: every index is out of it.)
+      if (std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && p.pool_slots > 0) {
+        state_map = bf16_state_tensor_map(p.initial_state, p.pool_slots, p.heads);
+      }
+      kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, stream_pass::StreamSmem::kLaunchBytes, stream>>>(
+          p, state_map);
       KDA_CHECK_LAUNCH("kda_stream_pass_kernel");
     });
   });
