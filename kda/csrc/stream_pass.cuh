@@ -53,9 +53,9 @@ constexpr int kThreads = (kStepWarps + kPrepWarps) * 32;
 constexpr int kRingStages = 6;   // prepared chunks in flight
 constexpr int kStateStages = 2;  // initial states in flight
 using Ring = RecurrenceSmem<kStepWarps, kRingStages>;
-constexpr int kStateRowBytes = kHeadDim * 2;  // a bf16 state row
 // A state stage: two halves of 64 columns, each 128 rows of 128 bytes as the tensor map's 128-byte swizzle lays them.
-constexpr int kStateHalfBytes = kHeadDim * kStateBoxColumns * 2;
+constexpr int kStateHalfRowBytes = kStateBoxColumns * 2;
+constexpr int kStateHalfBytes = kHeadDim * kStateHalfRowBytes;
 constexpr int kStateStageBytes = 2 * kStateHalfBytes;
 
 struct StreamSmem {
@@ -97,7 +97,7 @@ __device__ __forceinline__ void load_staged_rows(StateRows& s, const uint8_t* st
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = v_base + gi + 8 * half;  // row % 8 == gi
-    const uint8_t* at = stage + row * (kStateBoxColumns * 2) + 4 * ti;
+    const uint8_t* at = stage + row * kStateHalfRowBytes + 4 * ti;
 #pragma unroll
     for (int nt = 0; nt < kHeadDim / 8; ++nt) {
       const auto* pair = reinterpret_cast<const __nv_bfloat16*>(at + (nt / 8) * kStateHalfBytes + ((nt % 8) ^ gi) * 16);
