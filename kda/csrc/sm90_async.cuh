@@ -120,6 +120,15 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // Waits until this thread's committed bulk stores have read their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
+// ---- tensor copy shared -> global through a tensor map (TMA), in bulk groups ----------------------------------
+// As bulk_copy_s2g (fence before, bulk_commit and bulk_wait_read_all after); the box is read from shared memory laid
+// out (and swizzled) as the map says.
+__device__ __forceinline__ void tensor_copy_3d_s2g(const void* map, int c0, int c1, int c2, const void* smem_src) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(map), "r"(c0),
+               "r"(c1), "r"(c2), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
 // ---- bulk prefetch of a global range into L2 (16-byte aligned, size % 16 == 0): no registers, no completion ----
 __device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");

@@ -38,9 +38,9 @@ inline EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// The map of bf16 states [slots][heads][V][K] (slots > 0; 16-byte aligned: validation.py): box [1][128][64],
+// The map of bf16 states [slots][heads][V][K] (slots > 0; 16-byte aligned: validation.py): box [1][box_rows][64],
 // coordinates (column, row, slot · heads + head), the last one a 32-bit signed int.
-inline CUtensorMap bf16_state_tensor_map(const void* states, int64_t slots, int heads) {
+inline CUtensorMap bf16_state_tensor_map(const void* states, int64_t slots, int heads, int box_rows = kHeadDim) {
   const int64_t planes = slots * heads;
   if (planes > std::numeric_limits<int32_t>::max()) {
     throw std::length_error("flash_kda: a state pool of " + std::to_string(slots) + " slots x " +
@@ -49,7 +49,7 @@ inline CUtensorMap bf16_state_tensor_map(const void* states, int64_t slots, int 
   CUtensorMap map{};
   const cuuint64_t dims[3] = {kHeadDim, kHeadDim, static_cast<cuuint64_t>(planes)};
   const cuuint64_t strides[2] = {kHeadDim * 2, kHeadDim * kHeadDim * 2};  // bytes, of dimensions 1 and 2
-  const cuuint32_t box[3] = {kStateBoxColumns, kHeadDim, 1};
+  const cuuint32_t box[3] = {kStateBoxColumns, static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult result = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(states), dims,
                                          strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -16,8 +16,9 @@
 // (the warp then holds two stages for a while: kRingStages > kPrepWarps). A stage passes from the preparing warp to
 // the step warps on its "full" mbarrier and back on its "empty" one. A bf16 initial state arrives two items ahead by
 // two tensor-map copies (state_tensor_map.h) that one thread issues, swizzled by 128 bytes so that the step warps'
-// 4-byte fragment loads are free of bank conflicts; an fp32 one the step warps load themselves. Final states leave
-// from registers.
+// 4-byte fragment loads are free of bank conflicts; an fp32 one the step warps load themselves. A final state leaves
+// the same way back: each step warp writes its 16 rows into the item's stage and issues two tensor-map stores, and
+// the stage takes the item after next only once those have read it.
 // Where the two stages cost 3,018 bytes per token-head and the single pass runs preparation and steps in turns,
 // this moves 1,282 and keeps both busy at once.
 #pragma once
@@ -47,7 +48,8 @@
 namespace kda {
 namespace stream_pass {
 
-constexpr int kStepWarps = 8;  // two warpgroups, 16 state rows each
+constexpr int kStepWarps = 8;  // two warpgroups
+constexpr int kStepRows = kHeadDim / kStepWarps;  // state rows per step warp
 constexpr int kPrepWarps = 4;  // one warpgroup
 constexpr int kThreads = (kStepWarps + kPrepWarps) * 32;
 constexpr int kRingStages = 6;   // prepared chunks in flight
@@ -88,6 +90,20 @@ __device__ __forceinline__ void start_state_load(const FwdParams& p, const CUten
     tensor_copy_3d_g2s(dst + kStateHalfBytes, &state_map, kStateBoxColumns, 0, plane, full);
   } else {
     mbarrier_arrive(full);
+  }
+}
+
+// This warp's 16 rows of a final state into a stage, laid out as load_staged_rows reads them.
+__device__ __forceinline__ void write_staged_rows(uint8_t* stage, const StateRows& s, int v_base, int gi, int ti) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = v_base + gi + 8 * half;
+    uint8_t* at = stage + row * (kStateBoxColumns * 2) + 4 * ti;
+#pragma unroll
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      *reinterpret_cast<__nv_bfloat162*>(at + (nt / 8) * kStateHalfBytes + ((nt % 8) ^ gi) * 16) =
+          __floats2bfloat162_rn(s[nt][2 * half], s[nt][2 * half + 1]);
+    }
   }
 }
 
@@ -165,8 +181,10 @@ __device__ __forceinline__ void prepare_stream(const FwdParams& p, uint8_t* smem
 
 template <typename InitT, typename FinalT, GateKind kGate, bool kHiLo>
 __global__ void __launch_bounds__(stream_pass::kThreads, 1)
-    kda_stream_pass_kernel(const FwdParams p, const __grid_constant__ CUtensorMap state_map) {
+    kda_stream_pass_kernel(const FwdParams p, const __grid_constant__ CUtensorMap state_map,
+                           const __grid_constant__ CUtensorMap final_map) {
   using namespace stream_pass;
+  static_assert(std::is_same_v<FinalT, __nv_bfloat16>, "final states leave by the bf16 tensor map");
   extern __shared__ __align__(128) uint8_t dynamic_smem[];
   uint8_t* smem = aligned_ring(dynamic_smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -195,7 +213,7 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1)
   }
 
   const int gi = lane >> 2, ti = lane & 3;
-  const int v_base = warp * 16;
+  const int v_base = warp * kStepRows;
   const int64_t stride = gridDim.x;
   if (warp == 0 && lane == 0) {
     for (int st = 0; st < kStateStages; ++st) {
@@ -206,6 +224,7 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1)
   int state_stage = 0;
   uint32_t state_phase = 0;
   uint32_t ring = 0;  // run_chunks's ring position: stage | parity << 16
+  SlotBits refill_bits{0, 0};  // warp 0: the state index of the item the next item's start loads
   for (int64_t item = blockIdx.x; item < items; item += stride) {
     const int64_t n = item / p.heads;
     const int h = static_cast<int>(item % p.heads);
@@ -224,27 +243,37 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1)
     } else {
       fill_rows(s, 0.f);
     }
-    // Every step warp has its rows (named barrier 1): the stage may be refilled, with the state of the item two
-    // ahead. Warp 0 loads that item's state index now and its lane 0 issues the copies after this item's steps, so
-    // that no wgmma waits for the index's load.
+    if (lane == 0) bulk_wait_read_all();  // this warp's last final state has left its stage
+    // Every step warp has its rows and the previous item's final state has left the other stage (named barrier 1):
+    // that stage takes the next item's state, whose index warp 0 loaded during the previous item.
     asm volatile("bar.sync 1, %0;" ::"n"(kStepWarps * 32) : "memory");
-    const int64_t refill_item = item + kStateStages * stride;
-    const int refill_stage = state_stage;
-    SlotBits refill_bits{0, 0};
-    if (warp == 0 && refill_item < items) refill_bits = load_slot_bits(p, refill_item / p.heads);
+    const int my_stage = state_stage;
+    if (item != blockIdx.x && item + stride < items && warp == 0 && lane == 0) {
+      start_state_load<InitT>(p, state_map, item + stride, slot_from_bits(p, refill_bits), smem, my_stage ^ 1);
+    }
+    if (warp == 0 && item + 2 * stride < items) refill_bits = load_slot_bits(p, (item + 2 * stride) / p.heads);
     if (++state_stage == kStateStages) state_stage = 0, state_phase ^= 1u;
 
     ring = run_chunks<kStepWarps, true, true, true, kHiLo, kRingStages, false, NoChunkEnd, true>(
         p, smem, ring_full, n, h, b, 0, chunks, v_base, s, NoChunkEnd{}, static_cast<int>(ring & 0xFFFFu),
         ring >> 16);
 
-    if (warp == 0 && lane == 0 && refill_item < items) {
-      start_state_load<InitT>(p, state_map, refill_item, slot_from_bits(p, refill_bits), smem, refill_stage);
-    }
     if (p.final_state != nullptr && slot >= 0) {
-      store_rows(static_cast<FinalT*>(p.final_state) + state_offset(p, slot, h), s, v_base, gi, ti);
+      // Through this item's stage (every warp has read its rows) and two tensor-map copies per warp.
+      uint8_t* stage = smem + StreamSmem::kStateOffset + my_stage * kStateStageBytes;
+      write_staged_rows(stage, s, v_base, gi, ti);
+      fence_proxy_async_shared();
+      __syncwarp();
+      if (lane == 0) {
+        const int plane = static_cast<int>(slot * p.heads + h);
+        tensor_copy_3d_s2g(&final_map, 0, v_base, plane, stage + v_base * (kStateBoxColumns * 2));
+        tensor_copy_3d_s2g(&final_map, kStateBoxColumns, v_base, plane,
+                            stage + kStateHalfBytes + v_base * (kStateBoxColumns * 2));
+        bulk_commit();
+      }
     }
   }
+  if (lane == 0) bulk_wait_read_all();  // the stages stay until the last copies have read them
 }
 
 template <typename InitT, typename FinalT>
@@ -261,8 +290,12 @@ void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream) {
       if (std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && p.pool_slots > 0) {
         state_map = bf16_state_tensor_map(p.initial_state, p.pool_slots, p.heads);
       }
+      CUtensorMap final_map{};  // one step warp's 16 rows a box
+      if (p.final_state != nullptr && p.pool_slots > 0) {
+        final_map = bf16_state_tensor_map(p.final_state, p.pool_slots, p.heads, stream_pass::kStepRows);
+      }
       kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, stream_pass::StreamSmem::kLaunchBytes, stream>>>(
-          p, state_map);
+          p, state_map, final_map);
       KDA_CHECK_LAUNCH("kda_stream_pass_kernel");
     });
   });
