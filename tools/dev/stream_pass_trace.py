@@ -3,7 +3,7 @@
 Applies stream_pass_trace.patch (beside this file: clock64 at the phase boundaries of the preparing and the step
 warps, printed by CTAs 0 and 77 of every launch), builds through the offline bundle, runs one bench_fwd case,
 prints the mean cycles of each phase per warp role, and takes the patch back out. The patch is written against the
-v33 stream pass; after a change to stream_pass.cuh or prepare_chunk.cuh it may need refreshing.
+v34 stream pass; after a change to stream_pass.cuh or prepare_chunk.cuh it may need refreshing.
 
   python3 tools/dev/stream_pass_trace.py [--case 18]        (18: B64 T16 H32)
 """
