@@ -3,8 +3,10 @@
 #
 #   tools/offline/gpu_acceptance.sh [LOG_DIR]          (default LOG_DIR: /tmp/kda-gpu-logs)
 #
-#   1. `bazel test //kda/tests:all` (--config=gpu_machine: KDA_REQUIRE_GPU=1, so a GPU test can fail but never
-#      skip), then the junit totals and every per-case error line of the matrix into LOG_DIR;
+#   1. `bazel test $KDA_TEST_TARGETS` (default //kda/tests:all; --config=gpu_machine: KDA_REQUIRE_GPU=1, so a GPU
+#      test can fail but never skip; --keep_going), then the junit totals and every per-case error line of the
+#      matrix into LOG_DIR. Both read the whole bazel-testlogs tree, so on one machine a run split into parts (each
+#      naming some targets; bazel keeps the others' results) ends with the totals of all of them;
 #   2. `bazel run //kda:demo` (the main job on the GPU);
 #   3. unless KDA_SKIP_BENCH=1: `bazel run //kda/bench:bench_fwd $KDA_BENCH_ARGS` (default: MoonshotAI FlashKDA
 #      as the only peer, when built into /tmp/peers-site; add fla with KDA_BENCH_ARGS=--peers=fla,moonshot: its
@@ -23,8 +25,10 @@ t0=${SECONDS}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "${logs}/gpu.txt"
 
-echo "=== bazel test //kda/tests:all"
-"${bazel}" test //kda/tests:all 2>&1 | tee "${logs}/bazel_test.log"
+targets="${KDA_TEST_TARGETS:-//kda/tests:all}"
+echo "=== bazel test ${targets}"
+# shellcheck disable=SC2086
+"${bazel}" test --keep_going ${targets} 2>&1 | tee "${logs}/bazel_test.log"
 test_rc=${PIPESTATUS[0]}
 test_s=$((SECONDS - t0))
 testlogs="$("${bazel}" info bazel-testlogs 2>/dev/null)"
