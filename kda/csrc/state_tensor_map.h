@@ -1,7 +1,7 @@
-// The tensor map through which the stream pass brings a bf16 initial state into shared memory (stream_pass.cuh):
-// states [slots · H][V][K] as boxes of 128 rows by 64 columns (128 bytes), swizzled by 128 bytes, so that one thread
-// issues two copies per (slot, head) where per-row bulk copies took a loop over the lanes, and the step warps'
-// fragment loads stay free of bank conflicts. Encoded on the host for each launch by the driver's
+// The tensor maps through which the stream pass (stream_pass.cuh) brings a bf16 initial state into shared memory and
+// sends a bf16 final state back: states [slots · H][V][K] as boxes of 64 columns (128 bytes) by 128 rows (a whole
+// state, one thread's two copies) or 16 (a step warp's rows, its two stores), swizzled by 128 bytes so that the step
+// warps' fragment accesses stay free of bank conflicts. Encoded on the host for each launch by the driver's
 // cuTensorMapEncodeTiled, found once through the runtime (the extension links no driver library).
 #pragma once
 
@@ -38,9 +38,9 @@ inline EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// The map of bf16 states [slots][heads][V][K] (slots > 0; 16-byte aligned: validation.py): box [1][box_rows][64],
-// coordinates (column, row, slot · heads + head), the last one a 32-bit signed int.
-inline CUtensorMap bf16_state_tensor_map(const void* states, int64_t slots, int heads, int box_rows = kHeadDim) {
+// The map of the bf16 states `name` [slots][heads][V][K] (slots > 0; 16-byte aligned: validation.py): box
+// [1][box_rows][64], coordinates (column, row, slot · heads + head), the last one a 32-bit signed int.
+inline CUtensorMap bf16_state_tensor_map(const void* states, int64_t slots, int heads, int box_rows, const char* name) {
   const int64_t planes = slots * heads;
   if (planes > std::numeric_limits<int32_t>::max()) {
     throw std::length_error("flash_kda: a state pool of " + std::to_string(slots) + " slots x " +
@@ -56,7 +56,7 @@ inline CUtensorMap bf16_state_tensor_map(const void* states, int64_t slots, int 
                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
-    throw std::runtime_error("flash_kda: cuTensorMapEncodeTiled failed for the initial state (CUresult " +
+    throw std::runtime_error(std::string("flash_kda: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
                              std::to_string(static_cast<int>(result)) + ")");
   }
   return map;

@@ -288,11 +288,11 @@ void launch_stream_pass_typed(const FwdParams& p, cudaStream_t stream) {
       CUtensorMap state_map{};
       // (An empty pool has no slot to read: every index is out of it.)
       if (std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && p.pool_slots > 0) {
-        state_map = bf16_state_tensor_map(p.initial_state, p.pool_slots, p.heads);
+        state_map = bf16_state_tensor_map(p.initial_state, p.pool_slots, p.heads, kHeadDim, "initial_state");
       }
       CUtensorMap final_map{};  // one step warp's 16 rows a box
       if (p.final_state != nullptr && p.pool_slots > 0) {
-        final_map = bf16_state_tensor_map(p.final_state, p.pool_slots, p.heads, stream_pass::kStepRows);
+        final_map = bf16_state_tensor_map(p.final_state, p.pool_slots, p.heads, stream_pass::kStepRows, "final_state");
       }
       kernel<<<static_cast<unsigned>(grid), stream_pass::kThreads, stream_pass::StreamSmem::kLaunchBytes, stream>>>(
           p, state_map, final_map);
