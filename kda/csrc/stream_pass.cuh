@@ -73,6 +73,22 @@ static_assert(StreamSmem::kLaunchBytes <= 227 * 1024, "one CTA per SM");
 // the steps free once they are done with c + kPrepWarps - kRingStages: that must come before c.
 static_assert(kRingStages > kPrepWarps, "a preparing warp would wait for a stage its held chunk blocks");
 
+// Where a stage keeps the bf16 pair (columns 8·nt + 2·ti, +1) of a row r with r % 8 == gi: at the row's lane part
+// (staged_row) plus the n-tile's piece (staged_piece). In half nt / 8, the 16-byte piece j = nt % 8 of a row sits at
+// piece j ^ (r % 8) (the 128-byte swizzle), so a warp's 4-byte accesses of one n-tile meet 32 different banks.
+template <typename Byte>
+__device__ __forceinline__ Byte* staged_row(Byte* stage, int row, int ti) {
+  return stage + row * kStateHalfRowBytes + 4 * ti;
+}
+__device__ __forceinline__ int staged_piece(int nt, int gi) {
+  return (nt / 8) * kStateHalfBytes + ((nt % 8) ^ gi) * 16;
+}
+
+// The plane of (slot, head h) in a state tensor map (slot · H + h < 2^31: bf16_state_tensor_map).
+__device__ __forceinline__ int state_plane(const FwdParams& p, int64_t slot, int64_t h) {
+  return static_cast<int>(slot * p.heads + h);
+}
+
 // Starts loading `item`'s initial state into a stage (one thread): writes the state slot (its sequence's,
 // state_slots.cuh) into the stage's word and arrives, expecting a bf16 state's bytes from the two tensor-map copies
 // of its halves, or plainly for zeros or an fp32 state the step warps read themselves.
@@ -83,8 +99,7 @@ __device__ __forceinline__ void start_state_load(const FwdParams& p, const CUten
   reinterpret_cast<int64_t*>(smem + StreamSmem::kStateSlotOffset)[stage] = slot;
   if (std::is_same_v<InitT, __nv_bfloat16> && p.initial_state != nullptr && slot >= 0) {
     mbarrier_arrive_expect_tx(full, kStateStageBytes);
-    // (slot · H + h < 2^31: bf16_state_tensor_map)
-    const int plane = static_cast<int>(slot * p.heads + item % p.heads);
+    const int plane = state_plane(p, slot, item % p.heads);
     uint8_t* dst = smem + StreamSmem::kStateOffset + stage * kStateStageBytes;
     tensor_copy_3d_g2s(dst, &state_map, 0, 0, plane, full);
     tensor_copy_3d_g2s(dst + kStateHalfBytes, &state_map, kStateBoxColumns, 0, plane, full);
@@ -97,26 +112,23 @@ __device__ __forceinline__ void start_state_load(const FwdParams& p, const CUten
 __device__ __forceinline__ void write_staged_rows(uint8_t* stage, const StateRows& s, int v_base, int gi, int ti) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = v_base + gi + 8 * half;
-    uint8_t* at = stage + row * (kStateBoxColumns * 2) + 4 * ti;
+    uint8_t* at = staged_row(stage, v_base + gi + 8 * half, ti);
 #pragma unroll
     for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      *reinterpret_cast<__nv_bfloat162*>(at + (nt / 8) * kStateHalfBytes + ((nt % 8) ^ gi) * 16) =
+      *reinterpret_cast<__nv_bfloat162*>(at + staged_piece(nt, gi)) =
           __floats2bfloat162_rn(s[nt][2 * half], s[nt][2 * half + 1]);
     }
   }
 }
 
-// This warp's 16 state rows (StateRows layout) from a stage: the 16-byte piece j of row r of a half sits at piece
-// j ^ (r % 8) (the 128-byte swizzle), so a warp's 4-byte loads of one n-tile meet 32 different banks.
+// This warp's 16 state rows (StateRows layout) from a stage (staged_row, staged_piece).
 __device__ __forceinline__ void load_staged_rows(StateRows& s, const uint8_t* stage, int v_base, int gi, int ti) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = v_base + gi + 8 * half;  // row % 8 == gi
-    const uint8_t* at = stage + row * kStateHalfRowBytes + 4 * ti;
+    const uint8_t* at = staged_row(stage, v_base + gi + 8 * half, ti);
 #pragma unroll
     for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      const auto* pair = reinterpret_cast<const __nv_bfloat16*>(at + (nt / 8) * kStateHalfBytes + ((nt % 8) ^ gi) * 16);
+      const auto* pair = reinterpret_cast<const __nv_bfloat16*>(at + staged_piece(nt, gi));
       load_pair<__nv_bfloat16>(pair, s[nt][2 * half], s[nt][2 * half + 1]);
     }
   }
@@ -265,10 +277,10 @@ __global__ void __launch_bounds__(stream_pass::kThreads, 1)
       fence_proxy_async_shared();
       __syncwarp();
       if (lane == 0) {
-        const int plane = static_cast<int>(slot * p.heads + h);
-        tensor_copy_3d_s2g(&final_map, 0, v_base, plane, stage + v_base * (kStateBoxColumns * 2));
+        const int plane = state_plane(p, slot, h);
+        tensor_copy_3d_s2g(&final_map, 0, v_base, plane, stage + v_base * kStateHalfRowBytes);
         tensor_copy_3d_s2g(&final_map, kStateBoxColumns, v_base, plane,
-                            stage + kStateHalfBytes + v_base * (kStateBoxColumns * 2));
+                           stage + kStateHalfBytes + v_base * kStateHalfRowBytes);
         bulk_commit();
       }
     }
