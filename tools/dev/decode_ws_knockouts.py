@@ -1,0 +1,91 @@
+"""Knock-out builds of the warp-specialised decode kernel: what each part of it costs (a development measurement on
+the GPU machine, not a test; the knock-outs compute wrong results on purpose).
+
+Writes copies of kda/csrc/decode_warp_specialised.cu with one part removed into OUT_DIR and prints the KDA_VARIANT
+value that has tools/dev/gpu_iterate.sh build and time each of them after the tree as it is:
+
+  python3 tools/dev/decode_ws_knockouts.py OUT_DIR
+  KDA_TESTS= KDA_PROFILE= KDA_BENCH="--peers= --cases=17 --iters=50" KDA_VARIANT="$(python3 ... OUT_DIR)" \\
+      tools/dev/gpu_iterate.sh
+
+Variants (docs/PERFORMANCE.md, "Where the warp-specialised kernel waits"):
+  prep_free         the preparing warps publish constant tokens: no loads, no gate or norm arithmetic
+  arithmetic_free   the state warps skip the per-token sweeps (same handshakes, same output stores)
+  memory_free       no initial-state copies and no final-state stores
+  no_final_store    no final-state stores
+  no_initial_copy   no initial-state copies (the stage barrier gets a plain arrival)
+
+Each edit is an exact replacement of the kernel's text and fails loudly once the kernel has changed under it.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KERNEL = "kda/csrc/decode_warp_specialised.cu"
+
+PREP_OLD = """        const RawTokenChannels raw = load_token_channels(p, b.bos + (pos - item_start), h, hk, ch0);
+        const LaneKeys lk = prepare_keys<kGate>(p, hg, raw, raw.beta);
+        float v[4];
+        prep::unpack4(raw.v, v);
+"""
+PREP_NEW = """        (void)hk;
+        (void)hg;
+        const LaneKeys lk{{0.5f, 0.5f, 0.5f, 0.5f}, {0.01f, 0.01f, 0.01f, 0.01f}, {0.01f, 0.01f, 0.01f, 0.01f}, 0.5f};
+        const float v[4] = {0.1f, 0.1f, 0.1f, 0.1f};
+"""
+SWEEPS_OLD = """      float leaves[kLaneRows][kLaneLeaves];
+      decay_and_key_leaves(s, leaves, tok.alpha, tok.k_hat, col);
+      float sums[kLaneRows];
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
+      const float u_mine = __fmul_rn(beta, __fsub_rn(v_in, octet_reduce_scatter(sums, octant)));
+      float u[kLaneRows];
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_sync(0xffffffffu, u_mine, 8 * row_group + 2 * r);
+
+      // S += u·k̂ᵀ; then the output partials o = S·q̃.
+      update_and_query_leaves(s, leaves, u, tok.k_hat, tok.q_tilde, col);
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
+"""
+SWEEPS_NEW = """      float sums[kLaneRows];
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) sums[r] = __fmaf_rn(s[r][0][0], beta, v_in);
+"""
+COPY_OLD = "  if (p.initial_state != nullptr && slot >= 0) {\n    constexpr"
+COPY_NEW = "  if (false && slot >= 0) {\n    constexpr"
+STORE_OLD = "    if (p.final_state != nullptr && state_index >= 0) {"
+STORE_NEW = "    if (false && state_index >= 0) {"
+
+VARIANTS = {
+    "prep_free": [(PREP_OLD, PREP_NEW)],
+    "arithmetic_free": [(SWEEPS_OLD, SWEEPS_NEW)],
+    "memory_free": [(COPY_OLD, COPY_NEW), (STORE_OLD, STORE_NEW)],
+    "no_final_store": [(STORE_OLD, STORE_NEW)],
+    "no_initial_copy": [(COPY_OLD, COPY_NEW)],
+}
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out = pathlib.Path(sys.argv[1]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    source = (ROOT / KERNEL).read_text()
+    specs = []
+    for name, edits in VARIANTS.items():
+        text = source
+        for old, new in edits:
+            if text.count(old) != 1:
+                sys.exit(f"{name}: the text to replace occurs {text.count(old)} times in {KERNEL}; refresh this tool")
+            text = text.replace(old, new)
+        path = out / f"decode_ws_{name}.cu"
+        path.write_text(text)
+        specs.append(f"{KERNEL}={path}")
+    print(",".join(specs))
+
+
+if __name__ == "__main__":
+    main()
