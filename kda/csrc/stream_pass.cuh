@@ -54,6 +54,7 @@ constexpr int kPrepWarps = 4;  // one warpgroup
 constexpr int kThreads = (kStepWarps + kPrepWarps) * 32;
 constexpr int kRingStages = 6;   // prepared chunks in flight
 constexpr int kStateStages = 2;  // initial states in flight
+static_assert(kStateStages == 2, "an item's stage takes its final state, then the item after next (my_stage ^ 1)");
 using Ring = RecurrenceSmem<kStepWarps, kRingStages>;
 // A state stage: two halves of 64 columns, each 128 rows of 128 bytes as the tensor map's 128-byte swizzle lays them.
 constexpr int kStateHalfRowBytes = kStateBoxColumns * 2;
