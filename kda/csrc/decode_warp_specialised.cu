@@ -11,7 +11,9 @@
 // (one per SM sub-partition with the other group's) take turns on the group's tokens, item after item, and hand each
 // prepared token (α, k̂, q̃, v, β: 2 KB) to the 8 state warps through a ring of shared-memory slots and mbarriers, so
 // a token is prepared once per head instead of once per warp. Each group's initial states arrive by one bulk copy
-// per head into two shared-memory stages while the previous head computes. setmaxnreg moves the registers: 20 warps
+// per head into two shared-memory stages while the previous head computes; its final states leave through the same
+// stage, each state warp writing its 16 rows there and issuing one 4 KB bulk copy, so that a lane's 16 stores to
+// global memory become shared-memory stores the copy engine drains. setmaxnreg moves the registers: 20 warps
 // launched at 96 become 112 for the state warps and 32 for the preparing ones.
 // The call's input checks (input_checks.cuh) run here too, as in kda_decode_kernel.
 #include <cuda_bf16.h>
@@ -43,6 +45,7 @@ constexpr int kPrepBase = kGroups * kGroupWarps;  // the first preparing warp
 constexpr int kThreads = (kPrepBase + kGroups * kPrepWarps) * 32;
 constexpr int kTokenSlots = 8;    // prepared tokens in flight per group
 constexpr int kStages = 2;        // initial states in flight per group
+static_assert(kStages == 2, "an item's stage takes its final state, then the item after next's initial one");
 constexpr int kHeadElems = kHeadDim * kHeadDim;
 constexpr int kRowsPerWarp = kHeadDim / kGroupWarps;  // 16
 constexpr int kLaneRows = 4;      // rows per lane: g + 4r
@@ -220,10 +223,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
         for (int k = 0; k < kLaneLeaves; ++k) s[r][k][0] = s[r][k][1] = s[r][k][2] = s[r][k][3] = 0.f;
       }
     }
-    // Every state warp of the group has its rows (named barrier 1 + c): the stage may be refilled.
+    if (lane == 0) bulk_wait_read_all();  // this warp's previous final state has left the other stage
+    // Every state warp of the group has its rows and the previous item's final state has left its stage (named
+    // barrier 1 + c): that stage takes the next item's state.
     asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
-    if (group_warp == 0 && lane == 0 && item + kStages * stride < heads_total) {
-      start_state_load(p, item + kStages * stride, gs, st);
+    const int my_stage = st;
+    if (group_warp == 0 && lane == 0 && item != first_item && item + stride < heads_total) {
+      start_state_load(p, item + stride, gs, my_stage ^ 1);
     }
     if (++st == kStages) st = 0, stage_parity ^= 1u;
 
@@ -259,15 +265,24 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
     }
 
     if (p.final_state != nullptr && state_index >= 0) {
-      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.final_state) + state_offset(p, state_index, h) +
-                           (warp_row0 + row_group) * kHeadDim;
+      // Through this item's stage (every warp has read its rows) and one bulk copy of the warp's 16 rows.
+      __nv_bfloat16* rows = gs.stage[my_stage] + warp_row0 * kHeadDim;
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) {
 #pragma unroll
-        for (int k = 0; k < kLaneLeaves; ++k) store4(dst + 4 * r * kHeadDim + col(k), s[r][k]);
+        for (int k = 0; k < kLaneLeaves; ++k) store4(rows + (row_group + 4 * r) * kHeadDim + col(k), s[r][k]);
+      }
+      fence_proxy_async_shared();
+      __syncwarp();
+      if (lane == 0) {
+        bulk_copy_s2g(static_cast<__nv_bfloat16*>(p.final_state) + state_offset(p, state_index, h) +
+                          warp_row0 * kHeadDim,
+                      rows, kRowsPerWarp * kHeadDim * sizeof(__nv_bfloat16));
+        bulk_commit();
       }
     }
   }
+  if (lane == 0) bulk_wait_read_all();  // the stages stay until the last copies have read them
 }
 
 // One CTA per SM (its 640 threads hold the SM's registers), never more CTAs than pairs of heads.
