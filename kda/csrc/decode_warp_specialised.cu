@@ -13,7 +13,9 @@
 // a token is prepared once per head instead of once per warp. Each group's initial states arrive by one bulk copy
 // per head into two shared-memory stages while the previous head computes; its final states leave through the same
 // stage, each state warp writing its 16 rows there and issuing one 4 KB bulk copy, so that a lane's 16 stores to
-// global memory become shared-memory stores the copy engine drains. setmaxnreg moves the registers: 20 warps
+// global memory become shared-memory stores the copy engine drains. A state warp finds each head's output offset,
+// state row and token count in its group's table in shared memory, which the lanes of one warp fill for 32 heads at
+// once (no division, no memory round trip at a head's start). setmaxnreg moves the registers: 20 warps
 // launched at 96 become 112 for the state warps and 32 for the preparing ones.
 // The call's input checks (input_checks.cuh) run here too, as in kda_decode_kernel.
 #include <cuda_bf16.h>
@@ -45,6 +47,7 @@ constexpr int kPrepBase = kGroups * kGroupWarps;  // the first preparing warp
 constexpr int kThreads = (kPrepBase + kGroups * kPrepWarps) * 32;
 constexpr int kTokenSlots = 8;    // prepared tokens in flight per group
 constexpr int kStages = 2;        // initial states in flight per group
+constexpr int kTableItems = 32;   // heads a group's table describes at once: one per lane of the warp filling it
 static_assert(kStages == 2, "an item's stage takes its final state, then the item after next's initial one");
 constexpr int kHeadElems = kHeadDim * kHeadDim;
 constexpr int kRowsPerWarp = kHeadDim / kGroupWarps;  // 16
@@ -73,9 +76,18 @@ struct PreparedChannels {
   float beta;
   float pad[3];
 };
+// What a state warp needs of one of its group's heads, found once for 32 heads by the 32 lanes of one warp: the
+// output's element offset, the state's row in the pools (slot·H + h; −1: no slot, start from zeros and write
+// nothing) and the token count.
+struct HeadEntry {
+  int64_t out_offset;
+  int64_t state_row;
+  int64_t len;
+};
 struct GroupSmem {
   __nv_bfloat16 stage[kStages][kHeadElems];
   PreparedChannels token[kTokenSlots];
+  HeadEntry heads[kTableItems];
   uint64_t stage_full[kStages];
   uint64_t token_full[kTokenSlots], token_empty[kTokenSlots];
 };
@@ -131,16 +143,33 @@ __device__ __forceinline__ float octet_reduce_scatter(const float (&x)[kLaneRows
   return __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, 1));
 }
 
-// One thread starts bringing head `item`'s initial state into a stage: one bulk copy completing on the stage's
-// barrier, or a plain arrival when the head starts from zeros (no state, or a padding slot).
-__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t item, GroupSmem& gs, int stage) {
-  const int64_t n = item / p.heads;
-  const int h = static_cast<int>(item % p.heads);
-  const int64_t slot = state_slot(p, n);
-  if (p.initial_state != nullptr && slot >= 0) {
+// Lane j of one warp enters the group's head `first + j·stride` (j < kTableItems) into the table, then the warp
+// meets; the other state warps read it after their next group barrier.
+__device__ __forceinline__ void fill_head_table(const FwdParams& p, GroupSmem& gs, int64_t first, int64_t stride,
+                                                int lane) {
+  const int64_t item = first + lane * stride;
+  HeadEntry e{0, -1, 0};
+  if (item < p.num_seqs * p.heads) {
+    const int64_t n = item / p.heads;
+    const int h = static_cast<int>(item % p.heads);
+    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
+    const int64_t slot = state_slot(p, n);
+    e.out_offset = (b.bos * p.heads + h) * kHeadDim;
+    e.state_row = slot >= 0 ? slot * p.heads + h : -1;
+    e.len = b.eos - b.bos;
+  }
+  gs.heads[lane] = e;
+  __syncwarp();
+}
+
+// One thread starts bringing a head's initial state (its table entry's row) into a stage: one bulk copy completing
+// on the stage's barrier, or a plain arrival when the head starts from zeros (no state, or a padding slot).
+__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t state_row, GroupSmem& gs, int stage) {
+  if (p.initial_state != nullptr && state_row >= 0) {
     constexpr uint32_t kBytes = kHeadElems * sizeof(__nv_bfloat16);
     mbarrier_arrive_expect_tx(&gs.stage_full[stage], kBytes);
-    bulk_copy_g2s(gs.stage[stage], static_cast<const __nv_bfloat16*>(p.initial_state) + state_offset(p, slot, h),
+    bulk_copy_g2s(gs.stage[stage],
+                  static_cast<const __nv_bfloat16*>(p.initial_state) + static_cast<size_t>(state_row) * kHeadElems,
                   kBytes, &gs.stage_full[stage]);
   } else {
     mbarrier_arrive(&gs.stage_full[stage]);
@@ -192,24 +221,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
   auto col = [&](int k) { return 32 * (k ^ row_group) + 4 * octant; };
 
   const int64_t first_item = static_cast<int64_t>(blockIdx.x) * kGroups + c;
-  if (group_warp == 0 && lane == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      if (first_item + st * stride < heads_total) start_state_load(p, first_item + st * stride, gs, st);
+  // The heads' table (the first 32; then refilled after every 32nd head), and the first two initial states.
+  if (group_warp == 0) {
+    fill_head_table(p, gs, first_item, stride, lane);
+    if (lane == 0) {
+      for (int st = 0; st < kStages; ++st) {
+        if (first_item + st * stride < heads_total) start_state_load(p, gs.heads[st].state_row, gs, st);
+      }
     }
   }
-  int st = 0, slot = 0;
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
+  int st = 0, slot = 0, entry = 0;
   uint32_t stage_parity = 0, token_parity = 0;
   for (int64_t item = first_item; item < heads_total; item += stride) {
-    const int64_t n = item / p.heads;
-    const int h = static_cast<int>(item % p.heads);
-    const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
-    const SlotBits slot_bits = load_slot_bits(p, n);
+    const HeadEntry head = gs.heads[entry];
 
     // The state rows, fp32 (bf16 widened exactly), or zeros.
     float s[kLaneRows][kLaneLeaves][4];
     mbarrier_wait_parity_warp(&gs.stage_full[st], stage_parity);
-    const int64_t state_index = slot_from_bits(p, slot_bits);
-    if (p.initial_state != nullptr && state_index >= 0) {
+    const int64_t state_row = head.state_row;
+    if (p.initial_state != nullptr && state_row >= 0) {
       const __nv_bfloat16* src = gs.stage[st] + (warp_row0 + row_group) * kHeadDim;
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) {
@@ -228,14 +259,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
     // barrier 1 + c): that stage takes the next item's state.
     asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
     const int my_stage = st;
+    // Every warp has read this head's entry, the table's last: the table takes the next 32 heads.
+    const bool refill = entry == kTableItems - 1 && item + stride < heads_total;
+    if (group_warp == 0 && refill) fill_head_table(p, gs, item + stride, stride, lane);
     if (group_warp == 0 && lane == 0 && item != first_item && item + stride < heads_total) {
-      start_state_load(p, item + stride, gs, my_stage ^ 1);
+      start_state_load(p, gs.heads[refill ? 0 : entry + 1].state_row, gs, my_stage ^ 1);
     }
     if (++st == kStages) st = 0, stage_parity ^= 1u;
 
     // The output element of this lane's sums, token after token (a pointer rather than the token index: registers).
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + (b.bos * p.heads + h) * kHeadDim + warp_row0 + my_row;
-    for (int64_t left = b.eos - b.bos; left > 0; --left) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + head.out_offset + warp_row0 + my_row;
+    for (int64_t left = head.len; left > 0; --left) {
       mbarrier_wait_parity_warp(&gs.token_full[slot], token_parity);
       const PreparedChannels& tok = gs.token[slot];
       const float beta = tok.beta, v_in = tok.v[warp_row0 + my_row];
@@ -264,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       out += static_cast<int64_t>(p.heads) * kHeadDim;
     }
 
-    if (p.final_state != nullptr && state_index >= 0) {
+    if (p.final_state != nullptr && state_row >= 0) {
       // Through this item's stage (every warp has read its rows) and one bulk copy of the warp's 16 rows.
       __nv_bfloat16* rows = gs.stage[my_stage] + warp_row0 * kHeadDim;
 #pragma unroll
@@ -275,11 +309,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       fence_proxy_async_shared();
       __syncwarp();
       if (lane == 0) {
-        bulk_copy_s2g(static_cast<__nv_bfloat16*>(p.final_state) + state_offset(p, state_index, h) +
+        bulk_copy_s2g(static_cast<__nv_bfloat16*>(p.final_state) + static_cast<size_t>(state_row) * kHeadElems +
                           warp_row0 * kHeadDim,
                       rows, kRowsPerWarp * kHeadDim * sizeof(__nv_bfloat16));
         bulk_commit();
       }
+    }
+    if (refill) {
+      // The refilled table is everyone's before the next head's entry is read.
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
+      entry = 0;
+    } else {
+      ++entry;
     }
   }
   if (lane == 0) bulk_wait_read_all();  // the stages stay until the last copies have read them

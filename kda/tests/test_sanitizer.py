@@ -5,7 +5,8 @@ sequences, both state dtypes, no state, int32 cu_seqlens) and, with forced plans
 products are wgmma (the finishing pass at v_split 1, the scan at scan_v_split 1), the single pass (a
 sequence of more than one block of 8 chunks, empty ones, a partial chunk) and the overlap (lead and tail
 records, a partial chunk) and the decode kernel (one and 16 tokens, empty sequences, both state dtypes, in place,
-and forced over longer sequences) and the stream pass (a bf16 state prefetch with padding rows in a pool in place),
+and forced over longer sequences), the warp-specialised decode kernel over more than 32 heads per group (its head
+table refilled) and the stream pass (a bf16 state prefetch with padding rows in a pool in place),
 then malformed CUDA cu_seqlens (decreasing, past the end, a first boundary other than
 0, negative) under every plan kind that takes cu_seqlens (two stages, longest first, the single pass, the time
 split with and without a V split, the decode kernel), each naming its first bad index through
@@ -85,6 +86,9 @@ CHILD = textwrap.dedent(
         (matrix.Case("decode", H=2, seqlens=(2, 0, 5), state_dtype="fp32", inplace_state=True), automatic),
         (matrix.Case("decode", H=2, T=3, state_dtype="bf16", final_dtype="fp32"), automatic),
         (matrix.Case("decode", H=2, seqlens=(4, 0, 1), state_io="no_state"), automatic),
+        # The warp-specialised kernel over more than 32 heads per group: its head table refilled between heads.
+        (matrix.Case("decode", H=8, seqlens=matrix.DECODE_MANY_SEQLENS, state_dtype="bf16", inplace_state=True),
+         automatic),
         (matrix.Case("adversarial", H=2, seqlens=(0, 40, 0, 17), state_dtype="bf16"),
          lambda: testing.force_plan(decode=True)),
         # The stream pass (16 tokens per sequence, an item per SM, no fp32 final state): its bf16 state prefetch

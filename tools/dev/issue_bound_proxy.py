@@ -1,0 +1,85 @@
+"""Store-less copies of decode kernel sources, for timing issue-side changes on an H100 (a development measurement on
+the GPU machine, not a test; the copies compute wrong results on purpose).
+
+On an H100 the decode rows run at 78-83 % of the memory floor, so a change that saves issue slots does not show there,
+while on the H200 (1.4x the bandwidth, the same SMs and clocks) the same kernels run at 59-64 % and are bound by issue.
+With the final-state stores knocked out (a third of the state traffic) the H100 is bound by issue too: the warp-
+specialised kernel's head table ran varlen 128 x 4 H32 in 0.121 ms against v35's 0.121 as built, and 0.098 / 0.095
+against 0.105 / 0.102 store-less (docs/bench-h100-2026-12-06-head-table.md).
+
+For each variant of a KDA_VARIANT value (tools/dev/gpu_iterate.sh) this writes the store-less copies of its files
+into OUT_DIR, and of the tree's own file where a variant does not replace it, and prints the KDA_VARIANT value that
+times them all; so every build, the baseline included, loses the same stores. OUT_DIR inside the workspace (and not
+git-ignored) travels with the tree to the GPU machine; its paths are printed relative to the workspace:
+
+  python3 tools/dev/issue_bound_proxy.py OUT_DIR "kda/csrc/decode_warp_specialised.cu=ab/new.cu" --baseline
+  KDA_TESTS= KDA_PROFILE= KDA_BENCH="--peers= --cases=17,18,15 --iters=50 --noaccuracy" KDA_VARIANT="$(...)" \\
+      tools/dev/gpu_iterate.sh OUT
+
+--baseline adds the tree's files, store-less, as the first variant and again after each other one (A, B, A for one).
+Files it knows: kda/csrc/decode_warp_specialised.cu and kda/csrc/stream_pass.cuh (one final-state store each).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The condition around each kernel's final-state store: exactly one per file.
+STORE = re.compile(r"if \(p\.final_state != nullptr && (state_row|state_index|slot) >= 0\) \{")
+KNOWN = ("kda/csrc/decode_warp_specialised.cu", "kda/csrc/stream_pass.cuh")
+
+
+def storeless(source: pathlib.Path, out: pathlib.Path) -> None:
+    text = source.read_text()
+    found = STORE.findall(text)
+    if len(found) != 1:
+        sys.exit(f"{source}: {len(found)} final-state stores matched, expected 1")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(STORE.sub(lambda m: f"if (false && {m.group(1)} >= 0) {{", text))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("variants", nargs="?", default="", help="a KDA_VARIANT value: PATH=FILE[+PATH=FILE...][,...]")
+    parser.add_argument("--baseline", action="store_true", help="the tree's files as variant A, alternated")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out_dir).resolve()
+    variants = [v for v in args.variants.split(",") if v]
+    paths = sorted({part.split("=", 1)[0] for v in variants for part in v.split("+")} | set(KNOWN))
+    for path in paths:
+        if path not in KNOWN:
+            sys.exit(f"{path}: not a file this proxy knows ({', '.join(KNOWN)})")
+
+    def build(name: str, files: dict[str, pathlib.Path]) -> str:
+        parts = []
+        for path in paths:
+            target = out / name / pathlib.Path(path).name
+            storeless(files.get(path, ROOT / path), target)
+            shown = target.relative_to(ROOT) if target.is_relative_to(ROOT) else target
+            parts.append(f"{path}={shown}")
+        return "+".join(parts)
+
+    baseline = build("tree", {}) if args.baseline else None
+    built = []
+    for i, v in enumerate(variants, start=1):
+        files = {}
+        for part in v.split("+"):
+            path, file = part.split("=", 1)
+            files[path] = pathlib.Path(file) if pathlib.Path(file).is_absolute() else ROOT / file
+        built.append(build(f"variant{i}", files))
+    order = []
+    if baseline:
+        order.append(baseline)
+    for b in built:
+        order.append(b)
+        if baseline:
+            order.append(baseline)
+    print(",".join(order))
+
+
+if __name__ == "__main__":
+    main()
