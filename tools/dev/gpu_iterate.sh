@@ -29,7 +29,7 @@
 #                  tests run, one bench_fwd process per case, with FLA_CACHE_RESULTS=0 so that no autotuning result
 #                  from the busy GPU is kept: the benchmark then only re-runs fla's autotuning (needs .peers).
 set -uo pipefail
-out="${1:-/tmp/kda-iter}"
+out="$(realpath -m "${1:-/tmp/kda-iter}")"  # absolute: bench_fwd runs from its runfiles
 mkdir -p "${out}"
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.."
 bazel=tools/offline/bazel-offline

@@ -9,6 +9,7 @@
 # tools/dev/ncu_stalls.py).
 set -uo pipefail
 out="${1:?usage: ncu_kernels.sh OUT_DIR CASE_NAME [KERNEL_REGEX]}"
+out="$(realpath -m "${out}")"  # absolute: used after the cd below
 case_name="${2:?case name, a substring of a bench_fwd case}"
 mkdir -p "${out}"
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.."
