@@ -41,7 +41,7 @@ TIMEOUT_S = 900
 
 CHILD = textwrap.dedent(
     """
-    import contextlib, torch, matrix, flash_kda
+    import contextlib, time, torch, matrix, flash_kda
     from flash_kda import testing
     automatic = contextlib.nullcontext
     chunked = lambda: testing.force_plan(decode=False)  # short batches that would otherwise run the decode kernel
@@ -139,12 +139,13 @@ CHILD = textwrap.dedent(
          lambda: testing.force_plan(decode=True)),
     ]
     for case, plan in cases:
+        start = time.perf_counter()
         # Inputs made on the CPU: fewer foreign kernels under the sanitizer.
         x = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in matrix.make_inputs(case, "cpu").items()}
         with plan():
             flash_kda.fwd(**matrix.fwd_args(x), **matrix.serving_args(x))
         torch.cuda.synchronize()
-        print("ran", case.id, flush=True)
+        print("ran", case.id, f"in {time.perf_counter() - start:.1f} s", flush=True)
 
     # Malformed CUDA cu_seqlens (never read on the host) under every plan kind that takes cu_seqlens: the kernels
     # clamp them and stay inside their buffers; the device word names the first bad index (none for padding
@@ -252,7 +253,7 @@ def find_sanitizer() -> str | None:
 
 
 @pytest.mark.parametrize("tool", sorted(CLEAN))
-def test_compute_sanitizer(tool: str) -> None:
+def test_compute_sanitizer(tool: str, record_property) -> None:
     sanitizer = find_sanitizer()
     if sanitizer is None:
         reason = "compute-sanitizer not found on PATH, in $KDA_CUDA_HOME/bin or /usr/local/cuda/bin"
@@ -273,3 +274,7 @@ def test_compute_sanitizer(tool: str) -> None:
     # One Case( builds the malformed runs, two the bad state index runs, one the bad checkpoint entry runs.
     expected = CHILD.count("matrix.Case(") - 4 + MALFORMED_RUNS + BAD_INDEX_RUNS + BAD_CHECKPOINT_RUNS
     assert len(ran) == expected, f"{len(ran)} of {expected} cases ran under {tool}:\n{tail}"
+    # The slowest calls under the tool (the target's time is mostly theirs), kept in the junit XML's properties.
+    timed = [line for line in ran if line.endswith(" s")]
+    timed.sort(key=lambda line: float(line.rsplit(" ", 2)[-2]), reverse=True)
+    record_property("slowest_calls", "; ".join(line.removeprefix("ran ") for line in timed[:5]))
