@@ -14,7 +14,7 @@
 // per head into two shared-memory stages while the previous head computes; its final states leave through the same
 // stage, each state warp writing its 16 rows there and issuing one 4 KB bulk copy, so that a lane's 16 stores to
 // global memory become shared-memory stores the copy engine drains. A state warp finds each head's output offset,
-// state row and token count in its group's table in shared memory, which the lanes of one warp fill for 32 heads at
+// state offset and token count in its group's table in shared memory, which the lanes of one warp fill for 32 heads at
 // once (no division, no memory round trip at a head's start). setmaxnreg moves the registers: 20 warps
 // launched at 96 become 112 for the state warps and 32 for the preparing ones.
 // The call's input checks (input_checks.cuh) run here too, as in kda_decode_kernel.
@@ -77,11 +77,11 @@ struct PreparedChannels {
   float pad[3];
 };
 // What a state warp needs of one of its group's heads, found once for 32 heads by the 32 lanes of one warp: the
-// output's element offset, the state's row in the pools (slot·H + h; −1: no slot, start from zeros and write
-// nothing) and the token count.
+// output's element offset, the state's element offset in the pools (state_offset; −1: no slot, start from zeros and
+// write nothing) and the token count.
 struct HeadEntry {
   int64_t out_offset;
-  int64_t state_row;
+  int64_t state_offset;
   int64_t len;
 };
 struct GroupSmem {
@@ -155,22 +155,21 @@ __device__ __forceinline__ void fill_head_table(const FwdParams& p, GroupSmem& g
     const SeqBounds b = seq_bounds(p.cu_seqlens, p.cu_seqlens_is_int64, n, p.seqlen, p.total_tokens);
     const int64_t slot = state_slot(p, n);
     e.out_offset = (b.bos * p.heads + h) * kHeadDim;
-    e.state_row = slot >= 0 ? slot * p.heads + h : -1;
+    e.state_offset = slot >= 0 ? static_cast<int64_t>(state_offset(p, slot, h)) : -1;
     e.len = b.eos - b.bos;
   }
   gs.heads[lane] = e;
   __syncwarp();
 }
 
-// One thread starts bringing a head's initial state (its table entry's row) into a stage: one bulk copy completing
-// on the stage's barrier, or a plain arrival when the head starts from zeros (no state, or a padding slot).
-__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t state_row, GroupSmem& gs, int stage) {
-  if (p.initial_state != nullptr && state_row >= 0) {
+// One thread starts bringing a head's initial state (at its table entry's offset) into a stage: one bulk copy
+// completing on the stage's barrier, or a plain arrival when the head starts from zeros (no state, or a padding slot).
+__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t offset, GroupSmem& gs, int stage) {
+  if (p.initial_state != nullptr && offset >= 0) {
     constexpr uint32_t kBytes = kHeadElems * sizeof(__nv_bfloat16);
     mbarrier_arrive_expect_tx(&gs.stage_full[stage], kBytes);
-    bulk_copy_g2s(gs.stage[stage],
-                  static_cast<const __nv_bfloat16*>(p.initial_state) + static_cast<size_t>(state_row) * kHeadElems,
-                  kBytes, &gs.stage_full[stage]);
+    bulk_copy_g2s(gs.stage[stage], static_cast<const __nv_bfloat16*>(p.initial_state) + offset, kBytes,
+                  &gs.stage_full[stage]);
   } else {
     mbarrier_arrive(&gs.stage_full[stage]);
   }
@@ -226,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
     fill_head_table(p, gs, first_item, stride, lane);
     if (lane == 0) {
       for (int st = 0; st < kStages; ++st) {
-        if (first_item + st * stride < heads_total) start_state_load(p, gs.heads[st].state_row, gs, st);
+        if (first_item + st * stride < heads_total) start_state_load(p, gs.heads[st].state_offset, gs, st);
       }
     }
   }
@@ -239,8 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
     // The state rows, fp32 (bf16 widened exactly), or zeros.
     float s[kLaneRows][kLaneLeaves][4];
     mbarrier_wait_parity_warp(&gs.stage_full[st], stage_parity);
-    const int64_t state_row = head.state_row;
-    if (p.initial_state != nullptr && state_row >= 0) {
+    if (p.initial_state != nullptr && head.state_offset >= 0) {
       const __nv_bfloat16* src = gs.stage[st] + (warp_row0 + row_group) * kHeadDim;
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) {
@@ -263,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
     const bool refill = entry == kTableItems - 1 && item + stride < heads_total;
     if (group_warp == 0 && refill) fill_head_table(p, gs, item + stride, stride, lane);
     if (group_warp == 0 && lane == 0 && item != first_item && item + stride < heads_total) {
-      start_state_load(p, gs.heads[refill ? 0 : entry + 1].state_row, gs, my_stage ^ 1);
+      start_state_load(p, gs.heads[refill ? 0 : entry + 1].state_offset, gs, my_stage ^ 1);
     }
     if (++st == kStages) st = 0, stage_parity ^= 1u;
 
@@ -298,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       out += static_cast<int64_t>(p.heads) * kHeadDim;
     }
 
-    if (p.final_state != nullptr && state_row >= 0) {
+    if (p.final_state != nullptr && head.state_offset >= 0) {
       // Through this item's stage (every warp has read its rows) and one bulk copy of the warp's 16 rows.
       __nv_bfloat16* rows = gs.stage[my_stage] + warp_row0 * kHeadDim;
 #pragma unroll
@@ -309,8 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       fence_proxy_async_shared();
       __syncwarp();
       if (lane == 0) {
-        bulk_copy_s2g(static_cast<__nv_bfloat16*>(p.final_state) + static_cast<size_t>(state_row) * kHeadElems +
-                          warp_row0 * kHeadDim,
+        bulk_copy_s2g(static_cast<__nv_bfloat16*>(p.final_state) + head.state_offset + warp_row0 * kHeadDim,
                       rows, kRowsPerWarp * kHeadDim * sizeof(__nv_bfloat16));
         bulk_commit();
       }

@@ -28,7 +28,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The condition around each kernel's final-state store: exactly one per file.
-STORE = re.compile(r"if \(p\.final_state != nullptr && (state_row|state_index|slot) >= 0\) \{")
+STORE = re.compile(r"if \(p\.final_state != nullptr && (head\.state_offset|state_index|slot) >= 0\) \{")
 KNOWN = ("kda/csrc/decode_warp_specialised.cu", "kda/csrc/stream_pass.cuh")
 
 
@@ -69,7 +69,7 @@ def main() -> None:
         files = {}
         for part in v.split("+"):
             path, file = part.split("=", 1)
-            files[path] = pathlib.Path(file) if pathlib.Path(file).is_absolute() else ROOT / file
+            files[path] = ROOT / file  # (an absolute FILE stays itself)
         built.append(build(f"variant{i}", files))
     order = []
     if baseline:
