@@ -143,6 +143,11 @@ __device__ __forceinline__ float octet_reduce_scatter(const float (&x)[kLaneRows
   return __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, 1));
 }
 
+// The 8 state warps of group c meet (named barrier 1 + c; barrier 0 is the CTA's).
+__device__ __forceinline__ void group_barrier(int c) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
+}
+
 // Lane j of one warp enters the group's head `first + j·stride` (j < kTableItems) into the table, then the warp
 // meets; the other state warps read it after their next group barrier.
 __device__ __forceinline__ void fill_head_table(const FwdParams& p, GroupSmem& gs, int64_t first, int64_t stride,
@@ -229,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       }
     }
   }
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
+  group_barrier(c);
   int st = 0, slot = 0, entry = 0;
   uint32_t stage_parity = 0, token_parity = 0;
   for (int64_t item = first_item; item < heads_total; item += stride) {
@@ -253,9 +258,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       }
     }
     if (lane == 0) bulk_wait_read_all();  // this warp's previous final state has left the other stage
-    // Every state warp of the group has its rows and the previous item's final state has left its stage (named
-    // barrier 1 + c): that stage takes the next item's state.
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
+    // Every state warp of the group has its rows and the previous item's final state has left its stage: that stage
+    // takes the next item's state.
+    group_barrier(c);
     const int my_stage = st;
     // Every warp has read this head's entry, the table's last: the table takes the next 32 heads.
     const bool refill = entry == kTableItems - 1 && item + stride < heads_total;
@@ -314,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
     }
     if (refill) {
       // The refilled table is everyone's before the next head's entry is read.
-      asm volatile("bar.sync %0, %1;" ::"r"(1 + c), "n"(kGroupWarps * 32) : "memory");
+      group_barrier(c);
       entry = 0;
     } else {
       ++entry;
