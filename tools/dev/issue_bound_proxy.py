@@ -17,6 +17,8 @@ git-ignored) travels with the tree to the GPU machine; its paths are printed rel
       tools/dev/gpu_iterate.sh OUT
 
 --baseline adds the tree's files, store-less, as the first variant and again after each other one (A, B, A for one).
+--keep-stage knocks out only the copies from the stage to global memory and keeps each warp's stores of its rows
+into the stage: the proxy for a change whose cost is in those shared-memory stores (a change of the stage's layout).
 Files it knows: kda/csrc/decode_warp_specialised.cu and kda/csrc/stream_pass.cuh (one final-state store each).
 """
 from __future__ import annotations
@@ -29,16 +31,23 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The condition around each kernel's final-state store: exactly one per file.
 STORE = re.compile(r"if \(p\.final_state != nullptr && (head\.state_offset|state_index|slot) >= 0\) \{")
+# The lane that issues the final state's copies from the stage to global memory: exactly one per file.
+STAGE_COPY = re.compile(
+    r"if \(lane == 0\) \{(?=\s+(?:const int plane = [^;]*;\s+)?(?:bulk_copy_s2g|tensor_copy_3d_s2g)\()")
 KNOWN = ("kda/csrc/decode_warp_specialised.cu", "kda/csrc/stream_pass.cuh")
 
 
-def storeless(source: pathlib.Path, out: pathlib.Path) -> None:
+def storeless(source: pathlib.Path, out: pathlib.Path, keep_stage: bool) -> None:
     text = source.read_text()
-    found = STORE.findall(text)
+    pattern = STAGE_COPY if keep_stage else STORE
+    found = pattern.findall(text)
     if len(found) != 1:
         sys.exit(f"{source}: {len(found)} final-state stores matched, expected 1")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(STORE.sub(lambda m: f"if (false && {m.group(1)} >= 0) {{", text))
+    if keep_stage:
+        out.write_text(STAGE_COPY.sub("if (false && lane == 0) {", text))
+    else:
+        out.write_text(STORE.sub(lambda m: f"if (false && {m.group(1)} >= 0) {{", text))
 
 
 def main() -> None:
@@ -46,6 +55,7 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("variants", nargs="?", default="", help="a KDA_VARIANT value: PATH=FILE[+PATH=FILE...][,...]")
     parser.add_argument("--baseline", action="store_true", help="the tree's files as variant A, alternated")
+    parser.add_argument("--keep-stage", action="store_true", help="keep the stores into the stage (see above)")
     args = parser.parse_args()
     out = pathlib.Path(args.out_dir).resolve()
     variants = [v for v in args.variants.split(",") if v]
@@ -58,7 +68,7 @@ def main() -> None:
         parts = []
         for path in paths:
             target = out / name / pathlib.Path(path).name
-            storeless(files.get(path, ROOT / path), target)
+            storeless(files.get(path, ROOT / path), target, args.keep_stage)
             shown = target.relative_to(ROOT) if target.is_relative_to(ROOT) else target
             parts.append(f"{path}={shown}")
         return "+".join(parts)
