@@ -131,7 +131,7 @@ __device__ __forceinline__ void prepare_tokens(const FwdParams& p, GroupSmem& gs
 }
 
 // The in-lane levels of the halving tree over one row's 4 leaves (leaf bits 4, 3 are m's bits 1, 0; slot k holds
-// m = k ^ g, so slots k, k ^ 2, then k ^ 1 hold the tree's pairs).
+// m = k, so slots k, k ^ 2, then k ^ 1 hold the tree's pairs).
 __device__ __forceinline__ float lane_tree_4(const float (&x)[kLaneLeaves]) {
   return __fadd_rn(__fadd_rn(x[0], x[2]), __fadd_rn(x[1], x[3]));
 }
@@ -221,8 +221,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
   const int row_group = lane >> 3, octant = lane & 7;
   const int my_row = row_group + 4 * (octant >> 1);  // the row whose sums this lane ends with (octet_reduce_scatter)
   const int warp_row0 = group_warp * kRowsPerWarp;
-  // Register slot k holds leaf m = k ^ row_group: the 4 row groups read different 128-byte quarters of a row at once.
-  auto col = [&](int k) { return 32 * (k ^ row_group) + 4 * octant; };
+  // Register slot k holds leaf k of the lane's rows: the 4 row groups read the same 128 bytes of a token's vectors at
+  // once (one broadcast), where a head's stage rows, read and written once, take 4 wavefronts a load instead of 2.
+  auto col = [&](int k) { return 32 * k + 4 * octant; };
 
   const int64_t first_item = static_cast<int64_t>(blockIdx.x) * kGroups + c;
   // The heads' table (the first 32; then refilled after every 32nd head), and the first two initial states.
