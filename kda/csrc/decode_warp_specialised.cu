@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
   const int my_row = row_group + 4 * (octant >> 1);  // the row whose sums this lane ends with (octet_reduce_scatter)
   const int warp_row0 = group_warp * kRowsPerWarp;
   // Register slot k holds leaf k of the lane's rows: the 4 row groups read the same 128 bytes of a token's vectors at
-  // once (one broadcast), where a head's stage rows, read and written once, take 4 wavefronts a load instead of 2.
+  // once (one broadcast), where a head's stage rows, read and written once, take 4 wavefronts an access, not 2.
   auto col = [&](int k) { return 32 * k + 4 * octant; };
 
   const int64_t first_item = static_cast<int64_t>(blockIdx.x) * kGroups + c;
