@@ -39,15 +39,15 @@ KNOWN = ("kda/csrc/decode_warp_specialised.cu", "kda/csrc/stream_pass.cuh")
 
 def storeless(source: pathlib.Path, out: pathlib.Path, keep_stage: bool) -> None:
     text = source.read_text()
-    pattern = STAGE_COPY if keep_stage else STORE
+    if keep_stage:
+        pattern, knocked_out = STAGE_COPY, lambda m: "if (false && lane == 0) {"
+    else:
+        pattern, knocked_out = STORE, lambda m: f"if (false && {m.group(1)} >= 0) {{"
     found = pattern.findall(text)
     if len(found) != 1:
         sys.exit(f"{source}: {len(found)} final-state stores matched, expected 1")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if keep_stage:
-        out.write_text(STAGE_COPY.sub("if (false && lane == 0) {", text))
-    else:
-        out.write_text(STORE.sub(lambda m: f"if (false && {m.group(1)} >= 0) {{", text))
+    out.write_text(pattern.sub(knocked_out, text))
 
 
 def main() -> None:
