@@ -19,13 +19,16 @@ git-ignored) travels with the tree to the GPU machine; its paths are printed rel
 --baseline adds the tree's files, store-less, as the first variant and again after each other one (A, B, A for one).
 --keep-stage knocks out only the copies from the stage to global memory and keeps each warp's stores of its rows
 into the stage: the proxy for a change whose cost is in those shared-memory stores (a change of the stage's layout).
-Files it knows: kda/csrc/decode_warp_specialised.cu and kda/csrc/stream_pass.cuh (one final-state store each).
+Files it knows: kda/csrc/decode_warp_specialised.cu and kda/csrc/stream_pass.cuh (one final-state store each); any
+other file a variant replaces (a header both include) is copied as it is, and the tree's copy goes into the builds
+that do not replace it.
 """
 from __future__ import annotations
 
 import argparse
 import pathlib
 import re
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -60,15 +63,17 @@ def main() -> None:
     out = pathlib.Path(args.out_dir).resolve()
     variants = [v for v in args.variants.split(",") if v]
     paths = sorted({part.split("=", 1)[0] for v in variants for part in v.split("+")} | set(KNOWN))
-    for path in paths:
-        if path not in KNOWN:
-            sys.exit(f"{path}: not a file this proxy knows ({', '.join(KNOWN)})")
 
     def build(name: str, files: dict[str, pathlib.Path]) -> str:
         parts = []
         for path in paths:
             target = out / name / pathlib.Path(path).name
-            storeless(files.get(path, ROOT / path), target, args.keep_stage)
+            source = files.get(path, ROOT / path)
+            if path in KNOWN:
+                storeless(source, target, args.keep_stage)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, target)
             shown = target.relative_to(ROOT) if target.is_relative_to(ROOT) else target
             parts.append(f"{path}={shown}")
         return "+".join(parts)
