@@ -26,7 +26,7 @@ __device__ __forceinline__ void warp_sum_2(float& x, float& y) {
 
 // Two levels of the halving tree over a lane's partial sums of 4 rows, as a reduce-scatter between the lanes that
 // differ in lane bits kHigh and kLow (xor kHigh, then xor kLow): the lane ends with the sum of row
-// 2·[lane & kHigh] + [lane & kLow]. Both token-by-token decode kernels end their row sums with it.
+// 2·[lane & kHigh] + [lane & kLow]. kda_decode_kernel ends its row sums with it.
 template <int kHigh, int kLow>
 __device__ __forceinline__ float reduce_scatter_4_rows(const float (&x)[4], int lane) {
   const bool upper_high = (lane & kHigh) != 0, upper_low = (lane & kLow) != 0;
@@ -38,6 +38,17 @@ __device__ __forceinline__ float reduce_scatter_4_rows(const float (&x)[4], int 
   }
   const float keep = upper_low ? y[1] : y[0], send = upper_low ? y[0] : y[1];
   return __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, kLow));
+}
+
+// The same reduce-scatter for a lane whose slot i holds row own ^ i, own being the row it ends with (the
+// warp-specialised kernel's layout): every lane keeps slots 0, 1 and sends 2, 3, then keeps 0 and sends 1, so no lane
+// selects. Each sum is reduce_scatter_4_rows' (the same operands in the same order), so the bits are its bits.
+template <int kHigh, int kLow>
+__device__ __forceinline__ float reduce_scatter_4_own_first(const float (&x)[4]) {
+  float y[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) y[i] = __fadd_rn(x[i], __shfl_xor_sync(0xffffffffu, x[i + 2], kHigh));
+  return __fadd_rn(y[0], __shfl_xor_sync(0xffffffffu, y[1], kLow));
 }
 
 // Four consecutive values (channels or state columns 4l..4l+3) widened to fp32 / stored from fp32.

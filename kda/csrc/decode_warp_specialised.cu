@@ -5,18 +5,18 @@
 // more warps.
 //
 // A CTA holds the states of two heads at once, one per group of 8 state warps: warp w of a group owns rows
-// 16w .. 16w + 15, lane 8g + a owns rows g + 4r (r = 0..3) of those and, in each, the leaves j = 8m + a (m = 0..3;
-// leaf j is columns 4j..4j+3): 64 fp32 state registers per lane, so an SM runs 4 state warps per scheduler where
-// kda_decode_kernel runs 2, and the state warps do nothing but the state's arithmetic. Two preparing warps per group
-// (one per SM sub-partition with the other group's) take turns on the group's tokens, item after item, and hand each
-// prepared token (α, k̂, q̃, v, β: 2 KB) to the 8 state warps through a ring of shared-memory slots and mbarriers, so
-// a token is prepared once per head instead of once per warp. Each group's initial states arrive by one bulk copy
-// per head into two shared-memory stages while the previous head computes; its final states leave through the same
-// stage, each state warp writing its 16 rows there and issuing one 4 KB bulk copy, so that a lane's 16 stores to
-// global memory become shared-memory stores the copy engine drains. A state warp finds each head's output offset,
-// state offset and token count in its group's table in shared memory, which the lanes of one warp fill for 32 heads at
-// once (no division, no memory round trip at a head's start). setmaxnreg moves the registers: 20 warps
-// launched at 96 become 112 for the state warps and 32 for the preparing ones.
+// 16w .. 16w + 15, lane 8g + a owns rows g + 4r (r = 0..3) of those, row g + 4(i ^ a/2) in register row i, and, in
+// each, the leaves j = 8m + a (m = 0..3; leaf j is columns 4j..4j+3): 64 fp32 state registers per lane, so an SM runs 4
+// state warps per scheduler where kda_decode_kernel runs 2, and the state warps do nothing but the state's arithmetic.
+// Two preparing warps per group (one per SM sub-partition with the other group's) take turns on the group's tokens,
+// item after item, and hand each prepared token (α, k̂, q̃, v, β: 2 KB) to the 8 state warps through a ring of
+// shared-memory slots and mbarriers, so a token is prepared once per head instead of once per warp. Each group's
+// initial states arrive by one bulk copy per head into two shared-memory stages while the previous head computes; its
+// final states leave through the same stage, each state warp writing its 16 rows there and issuing one 4 KB bulk copy,
+// so that a lane's 16 stores to global memory become shared-memory stores the copy engine drains. A state warp finds
+// each head's output offset, state offset and token count in its group's table in shared memory, which the lanes of one
+// warp fill for 32 heads at once (no division, no memory round trip at a head's start). setmaxnreg moves the registers:
+// 20 warps launched at 96 become 112 for the state warps and 32 for the preparing ones.
 // The call's input checks (input_checks.cuh) run here too, as in kda_decode_kernel.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -137,9 +137,9 @@ __device__ __forceinline__ float lane_tree_4(const float (&x)[kLaneLeaves]) {
 }
 
 // The cross-lane levels (leaf bits 2, 1, 0 are the lane's octant bits) for the lane's 4 rows, as a reduce-scatter:
-// lanes 8g + 2i and 8g + 2i + 1 both end with the sum of row g + 4i.
-__device__ __forceinline__ float octet_reduce_scatter(const float (&x)[kLaneRows], int octant) {
-  const float z = reduce_scatter_4_rows<4, 2>(x, octant);
+// lanes 8g + 2i and 8g + 2i + 1 both end with the sum of row g + 4i, which they hold in register row 0.
+__device__ __forceinline__ float octet_reduce_scatter(const float (&x)[kLaneRows]) {
+  const float z = reduce_scatter_4_own_first<4, 2>(x);
   return __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, 1));
 }
 
@@ -219,7 +219,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
   const int c = warp / kGroupWarps, group_warp = warp % kGroupWarps;
   GroupSmem& gs = groups[c];
   const int row_group = lane >> 3, octant = lane & 7;
-  const int my_row = row_group + 4 * (octant >> 1);  // the row whose sums this lane ends with (octet_reduce_scatter)
+  const int own = octant >> 1;  // register row i holds row row_group + 4 * (i ^ own): own's sums are the lane's
+  const int my_row = row_group + 4 * own;  // the row whose sums this lane ends with (octet_reduce_scatter)
+  auto row_of = [&](int i) { return row_group + 4 * (i ^ own); };
   const int warp_row0 = group_warp * kRowsPerWarp;
   // Register slot k holds leaf k of the lane's rows: the 4 row groups read the same 128 bytes of a token's vectors at
   // once (one broadcast), where a head's stage rows, read and written once, take 4 wavefronts an access, not 2.
@@ -245,11 +247,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
     float s[kLaneRows][kLaneLeaves][4];
     mbarrier_wait_parity_warp(&gs.stage_full[st], stage_parity);
     if (p.initial_state != nullptr && head.state_offset >= 0) {
-      const __nv_bfloat16* src = gs.stage[st] + (warp_row0 + row_group) * kHeadDim;
+      const __nv_bfloat16* src = gs.stage[st] + warp_row0 * kHeadDim;
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) {
 #pragma unroll
-        for (int k = 0; k < kLaneLeaves; ++k) load4(src + 4 * r * kHeadDim + col(k), s[r][k]);
+        for (int k = 0; k < kLaneLeaves; ++k) load4(src + row_of(r) * kHeadDim + col(k), s[r][k]);
       }
     } else {
 #pragma unroll
@@ -284,10 +286,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       float sums[kLaneRows];
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
-      const float u_mine = __fmul_rn(beta, __fsub_rn(v_in, octet_reduce_scatter(sums, octant)));
+      const float u_mine = __fmul_rn(beta, __fsub_rn(v_in, octet_reduce_scatter(sums)));
+      // Register row r's u is that of lane ^ 2r, whose own row it is (both lanes of a pair hold their row's u);
+      // r = 0 shuffles too (xor 0): u_mine kept aside cost registers and spills.
       float u[kLaneRows];
 #pragma unroll
-      for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_sync(0xffffffffu, u_mine, 8 * row_group + 2 * r);
+      for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_xor_sync(0xffffffffu, u_mine, 2 * r);
 
       // S += u·k̂ᵀ; then the output partials o = S·q̃.
       update_and_query_leaves(s, leaves, u, tok.k_hat, tok.q_tilde, col);
@@ -297,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
       // after a __syncwarp), so that each reader's own arrival orders its reads before the slot's next writes.
       mbarrier_arrive(&gs.token_empty[slot]);
       if (++slot == kTokenSlots) slot = 0, token_parity ^= 1u;
-      const float o = octet_reduce_scatter(sums, octant);
+      const float o = octet_reduce_scatter(sums);
       if ((octant & 1) == 0) *out = __float2bfloat16_rn(o);
       out += static_cast<int64_t>(p.heads) * kHeadDim;
     }
@@ -308,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) {
 #pragma unroll
-        for (int k = 0; k < kLaneLeaves; ++k) store4(rows + (row_group + 4 * r) * kHeadDim + col(k), s[r][k]);
+        for (int k = 0; k < kLaneLeaves; ++k) store4(rows + row_of(r) * kHeadDim + col(k), s[r][k]);
       }
       fence_proxy_async_shared();
       __syncwarp();
