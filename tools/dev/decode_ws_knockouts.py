@@ -40,10 +40,12 @@ SWEEPS_OLD = """      float leaves[kLaneRows][kLaneLeaves];
       float sums[kLaneRows];
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) sums[r] = lane_tree_4(leaves[r]);
-      const float u_mine = __fmul_rn(beta, __fsub_rn(v_in, octet_reduce_scatter(sums, octant)));
+      const float u_mine = __fmul_rn(beta, __fsub_rn(v_in, octet_reduce_scatter(sums)));
+      // Register row r's u is that of lane ^ 2r, whose own row it is (both lanes of a pair hold their row's u);
+      // r = 0 shuffles too (xor 0): u_mine kept aside cost registers and spills.
       float u[kLaneRows];
 #pragma unroll
-      for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_sync(0xffffffffu, u_mine, 8 * row_group + 2 * r);
+      for (int r = 0; r < kLaneRows; ++r) u[r] = __shfl_xor_sync(0xffffffffu, u_mine, 2 * r);
 
       // S += u·k̂ᵀ; then the output partials o = S·q̃.
       update_and_query_leaves(s, leaves, u, tok.k_hat, tok.q_tilde, col);
@@ -54,10 +56,10 @@ SWEEPS_NEW = """      float sums[kLaneRows];
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) sums[r] = __fmaf_rn(s[r][0][0], beta, v_in);
 """
-COPY_OLD = "  if (p.initial_state != nullptr && slot >= 0) {\n    constexpr"
-COPY_NEW = "  if (false && slot >= 0) {\n    constexpr"
-STORE_OLD = "    if (p.final_state != nullptr && state_index >= 0) {"
-STORE_NEW = "    if (false && state_index >= 0) {"
+COPY_OLD = "  if (p.initial_state != nullptr && offset >= 0) {\n    constexpr"
+COPY_NEW = "  if (false && offset >= 0) {\n    constexpr"
+STORE_OLD = "    if (p.final_state != nullptr && head.state_offset >= 0) {"
+STORE_NEW = "    if (false && head.state_offset >= 0) {"
 
 VARIANTS = {
     "prep_free": [(PREP_OLD, PREP_NEW)],
