@@ -22,7 +22,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Not resolved: in a test's runfiles (kda/tests/test_dev_tools.py) the kernel sources lie beside the link.
+ROOT = pathlib.Path(__file__).absolute().parents[2]
 KERNEL = "kda/csrc/decode_warp_specialised.cu"
 
 PREP_OLD = """        const RawTokenChannels raw = load_token_channels(p, b.bos + (pos - item_start), h, hk, ch0);

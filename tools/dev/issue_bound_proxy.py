@@ -31,7 +31,8 @@ import re
 import shutil
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Not resolved: in a test's runfiles (kda/tests/test_dev_tools.py) the kernel sources lie beside the link.
+ROOT = pathlib.Path(__file__).absolute().parents[2]
 # The condition around each kernel's final-state store: exactly one per file.
 STORE = re.compile(r"if \(p\.final_state != nullptr && (head\.state_offset|state_index|slot) >= 0\) \{")
 # The lane that issues the final state's copies from the stage to global memory: exactly one per file.
