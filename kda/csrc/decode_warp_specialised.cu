@@ -219,8 +219,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
   const int c = warp / kGroupWarps, group_warp = warp % kGroupWarps;
   GroupSmem& gs = groups[c];
   const int row_group = lane >> 3, octant = lane & 7;
-  const int own = octant >> 1;  // register row i holds row row_group + 4 * (i ^ own): own's sums are the lane's
-  const int my_row = row_group + 4 * own;  // the row whose sums this lane ends with (octet_reduce_scatter)
+  const int own = octant >> 1;  // which of its 4 rows the lane ends with the sums of (octet_reduce_scatter)
+  const int my_row = row_group + 4 * own;
+  // Register row i holds row row_group + 4 * (i ^ own): the lane's own row is register row 0.
   auto row_of = [&](int i) { return row_group + 4 * (i ^ own); };
   const int warp_row0 = group_warp * kRowsPerWarp;
   // Register slot k holds leaf k of the lane's rows: the 4 row groups read the same 128 bytes of a token's vectors at
