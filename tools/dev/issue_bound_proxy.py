@@ -34,7 +34,7 @@ import sys
 # Not resolved: in a test's runfiles (kda/tests/test_dev_tools.py) the kernel sources lie beside the link.
 ROOT = pathlib.Path(__file__).absolute().parents[2]
 # The condition around each kernel's final-state store: exactly one per file.
-STORE = re.compile(r"if \(p\.final_state != nullptr && (head\.state_offset|state_index|slot) >= 0\) \{")
+STORE = re.compile(r"if \(p\.final_state != nullptr && (head\.state_offset|slot) >= 0\) \{")
 # The lane that issues the final state's copies from the stage to global memory: exactly one per file.
 STAGE_COPY = re.compile(
     r"if \(lane == 0\) \{(?=\s+(?:const int plane = [^;]*;\s+)?(?:bulk_copy_s2g|tensor_copy_3d_s2g)\()")
