@@ -10,13 +10,14 @@
 // state warps per scheduler where kda_decode_kernel runs 2, and the state warps do nothing but the state's arithmetic.
 // Two preparing warps per group (one per SM sub-partition with the other group's) take turns on the group's tokens,
 // item after item, and hand each prepared token (α, k̂, q̃, v, β: 2 KB) to the 8 state warps through a ring of
-// shared-memory slots and mbarriers, so a token is prepared once per head instead of once per warp. Each group's
-// initial states arrive by one bulk copy per head into two shared-memory stages while the previous head computes; its
-// final states leave through the same stage, each state warp writing its 16 rows there and issuing one 4 KB bulk copy,
-// so that a lane's 16 stores to global memory become shared-memory stores the copy engine drains. A state warp finds
-// each head's output offset, state offset and token count in its group's table in shared memory, which the lanes of one
-// warp fill for 32 heads at once (no division, no memory round trip at a head's start). setmaxnreg moves the registers:
-// 20 warps launched at 96 become 112 for the state warps and 32 for the preparing ones.
+// shared-memory slots and mbarriers, so a token is prepared once per head instead of once per warp. Each state warp's
+// rows of the initial states arrive by one 4 KB bulk copy per head, on the warp's own barrier, into two shared-memory
+// stages while the previous head computes (no group barrier between heads, so the warps of a group drift apart by up
+// to the token ring); its final states leave through the same stage, each state warp writing its 16 rows there and
+// issuing one 4 KB bulk copy, so that a lane's 16 stores to global memory become shared-memory stores the copy engine
+// drains. A state warp finds each head's output offset, state offset and token count in its group's table in shared
+// memory, which the lanes of one warp fill for 32 heads at once (no division, no memory round trip at a head's start).
+// setmaxnreg moves the registers: 20 warps launched at 96 become 112 for the state warps and 32 for the preparing ones.
 // The call's input checks (input_checks.cuh) run here too, as in kda_decode_kernel.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -88,7 +89,7 @@ struct GroupSmem {
   __nv_bfloat16 stage[kStages][kHeadElems];
   PreparedChannels token[kTokenSlots];
   HeadEntry heads[kTableItems];
-  uint64_t stage_full[kStages];
+  uint64_t stage_full[kStages][kGroupWarps];  // per state warp: its 16 rows of the stage
   uint64_t token_full[kTokenSlots], token_empty[kTokenSlots];
 };
 constexpr int kSmemBytes = kGroups * static_cast<int>(sizeof(GroupSmem));
@@ -167,16 +168,19 @@ __device__ __forceinline__ void fill_head_table(const FwdParams& p, GroupSmem& g
   __syncwarp();
 }
 
-// One thread starts bringing a head's initial state (at its table entry's offset) into a stage: one bulk copy
-// completing on the stage's barrier, or a plain arrival when the head starts from zeros (no state, or a padding slot).
-__device__ __forceinline__ void start_state_load(const FwdParams& p, int64_t offset, GroupSmem& gs, int stage) {
+// Lane 0 of state warp w starts bringing its 16 rows of a head's initial state (at its table entry's offset) into a
+// stage: one 4 KB bulk copy completing on the warp's barrier of that stage, or a plain arrival when the head starts
+// from zeros (no state, or a padding slot).
+__device__ __forceinline__ void start_rows_load(const FwdParams& p, int64_t offset, GroupSmem& gs, int stage, int w) {
+  uint64_t* full = &gs.stage_full[stage][w];
   if (p.initial_state != nullptr && offset >= 0) {
-    constexpr uint32_t kBytes = kHeadElems * sizeof(__nv_bfloat16);
-    mbarrier_arrive_expect_tx(&gs.stage_full[stage], kBytes);
-    bulk_copy_g2s(gs.stage[stage], static_cast<const __nv_bfloat16*>(p.initial_state) + offset, kBytes,
-                  &gs.stage_full[stage]);
+    constexpr uint32_t kBytes = kRowsPerWarp * kHeadDim * sizeof(__nv_bfloat16);
+    mbarrier_arrive_expect_tx(full, kBytes);
+    bulk_copy_g2s(gs.stage[stage] + w * kRowsPerWarp * kHeadDim,
+                  static_cast<const __nv_bfloat16*>(p.initial_state) + offset + w * kRowsPerWarp * kHeadDim, kBytes,
+                  full);
   } else {
-    mbarrier_arrive(&gs.stage_full[stage]);
+    mbarrier_arrive(full);
   }
 }
 
@@ -196,7 +200,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
   }
   if (threadIdx.x == 0) {
     for (int c = 0; c < kGroups; ++c) {
-      for (int st = 0; st < kStages; ++st) mbarrier_init(&groups[c].stage_full[st], 1);
+      for (int st = 0; st < kStages; ++st) {
+        for (int w = 0; w < kGroupWarps; ++w) mbarrier_init(&groups[c].stage_full[st][w], 1);
+      }
       for (int s = 0; s < kTokenSlots; ++s) {
         mbarrier_init(&groups[c].token_full[s], 32);             // every lane of the preparing warp
         mbarrier_init(&groups[c].token_empty[s], kGroupWarps * 32);  // every lane of every state warp
@@ -229,16 +235,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
   auto col = [&](int k) { return 32 * k + 4 * octant; };
 
   const int64_t first_item = static_cast<int64_t>(blockIdx.x) * kGroups + c;
-  // The heads' table (the first 32; then refilled after every 32nd head), and the first two initial states.
-  if (group_warp == 0) {
-    fill_head_table(p, gs, first_item, stride, lane);
-    if (lane == 0) {
-      for (int st = 0; st < kStages; ++st) {
-        if (first_item + st * stride < heads_total) start_state_load(p, gs.heads[st].state_offset, gs, st);
-      }
+  // The heads' table (the first 32; then refilled after every 32nd head), then each warp's rows of the first two
+  // initial states.
+  if (group_warp == 0) fill_head_table(p, gs, first_item, stride, lane);
+  group_barrier(c);
+  if (lane == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      if (first_item + st * stride < heads_total) start_rows_load(p, gs.heads[st].state_offset, gs, st, group_warp);
     }
   }
-  group_barrier(c);
   int st = 0, slot = 0, entry = 0;
   uint32_t stage_parity = 0, token_parity = 0;
   for (int64_t item = first_item; item < heads_total; item += stride) {
@@ -246,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
 
     // The state rows, fp32 (bf16 widened exactly), or zeros.
     float s[kLaneRows][kLaneLeaves][4];
-    mbarrier_wait_parity_warp(&gs.stage_full[st], stage_parity);
+    mbarrier_wait_parity_warp(&gs.stage_full[st][group_warp], stage_parity);
     if (p.initial_state != nullptr && head.state_offset >= 0) {
       const __nv_bfloat16* src = gs.stage[st] + warp_row0 * kHeadDim;
 #pragma unroll
@@ -261,16 +266,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
         for (int k = 0; k < kLaneLeaves; ++k) s[r][k][0] = s[r][k][1] = s[r][k][2] = s[r][k][3] = 0.f;
       }
     }
-    if (lane == 0) bulk_wait_read_all();  // this warp's previous final state has left the other stage
-    // Every state warp of the group has its rows and the previous item's final state has left its stage: that stage
-    // takes the next item's state.
-    group_barrier(c);
     const int my_stage = st;
-    // Every warp has read this head's entry, the table's last: the table takes the next 32 heads.
+    // After this head's last entry every warp meets twice: all have read it, then the table holds the next 32 heads.
     const bool refill = entry == kTableItems - 1 && item + stride < heads_total;
-    if (group_warp == 0 && refill) fill_head_table(p, gs, item + stride, stride, lane);
-    if (group_warp == 0 && lane == 0 && item != first_item && item + stride < heads_total) {
-      start_state_load(p, gs.heads[refill ? 0 : entry + 1].state_offset, gs, my_stage ^ 1);
+    if (refill) {
+      group_barrier(c);
+      if (group_warp == 0) fill_head_table(p, gs, item + stride, stride, lane);
+      group_barrier(c);
+    }
+    // The warp has its rows and its previous final state has left the other stage: its rows there take the next
+    // item's state, whatever the other warps are doing (the __syncwarp orders the lanes' earlier reads of them).
+    __syncwarp();
+    if (lane == 0 && item != first_item && item + stride < heads_total) {
+      bulk_wait_read_all();
+      start_rows_load(p, gs.heads[refill ? 0 : entry + 1].state_offset, gs, my_stage ^ 1, group_warp);
     }
     if (++st == kStages) st = 0, stage_parity ^= 1u;
 
@@ -323,13 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_decode_ws_kernel(const FwdPar
         bulk_commit();
       }
     }
-    if (refill) {
-      // The refilled table is everyone's before the next head's entry is read.
-      group_barrier(c);
-      entry = 0;
-    } else {
-      ++entry;
-    }
+    entry = refill ? 0 : entry + 1;
   }
   if (lane == 0) bulk_wait_read_all();  // the stages stay until the last copies have read them
 }
