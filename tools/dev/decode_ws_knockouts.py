@@ -14,6 +14,8 @@ Variants (docs/PERFORMANCE.md, "Where the warp-specialised kernel waits"):
   memory_free       no initial-state copies and no final-state stores
   no_final_store    no final-state stores
   no_initial_copy   no initial-state copies (the stage barrier gets a plain arrival)
+  stage_conflict_free  the state rows' stage loads and stores at lane-contiguous addresses (2 shared-memory
+                    wavefronts an access where the row layout takes 4; the rows land permuted)
 
 Each edit is an exact replacement of the kernel's text and fails loudly once the kernel has changed under it.
 """
@@ -60,6 +62,11 @@ SWEEPS_NEW = """      float sums[kLaneRows];
 COPY_OLD = "  if (p.initial_state != nullptr && offset >= 0) {\n    constexpr"
 COPY_NEW = "  if (false && offset >= 0) {\n    constexpr"
 STORE_OLD = "    if (p.final_state != nullptr && head.state_offset >= 0) {"
+# Each (r, k) access of a warp at 32 consecutive 8-byte words: what the stage's bank conflicts cost.
+STAGE_LOAD_OLD = "load4(src + row_of(r) * kHeadDim + col(k), s[r][k]);"
+STAGE_LOAD_NEW = "load4(src + (r * kLaneLeaves + k) * kHeadDim + 4 * lane, s[r][k]);"
+STAGE_STORE_OLD = "store4(rows + row_of(r) * kHeadDim + col(k), s[r][k]);"
+STAGE_STORE_NEW = "store4(rows + (r * kLaneLeaves + k) * kHeadDim + 4 * lane, s[r][k]);"
 STORE_NEW = "    if (false && head.state_offset >= 0) {"
 
 VARIANTS = {
@@ -68,6 +75,7 @@ VARIANTS = {
     "memory_free": [(COPY_OLD, COPY_NEW), (STORE_OLD, STORE_NEW)],
     "no_final_store": [(STORE_OLD, STORE_NEW)],
     "no_initial_copy": [(COPY_OLD, COPY_NEW)],
+    "stage_conflict_free": [(STAGE_LOAD_OLD, STAGE_LOAD_NEW), (STAGE_STORE_OLD, STAGE_STORE_NEW)],
 }
 
 
