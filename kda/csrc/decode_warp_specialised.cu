@@ -175,9 +175,9 @@ __device__ __forceinline__ void start_rows_load(const FwdParams& p, int64_t offs
   uint64_t* full = &gs.stage_full[stage][w];
   if (p.initial_state != nullptr && offset >= 0) {
     constexpr uint32_t kBytes = kRowsPerWarp * kHeadDim * sizeof(__nv_bfloat16);
+    const int rows = w * kRowsPerWarp * kHeadDim;  // the warp's first element, in the stage and in the state
     mbarrier_arrive_expect_tx(full, kBytes);
-    bulk_copy_g2s(gs.stage[stage] + w * kRowsPerWarp * kHeadDim,
-                  static_cast<const __nv_bfloat16*>(p.initial_state) + offset + w * kRowsPerWarp * kHeadDim, kBytes,
+    bulk_copy_g2s(gs.stage[stage] + rows, static_cast<const __nv_bfloat16*>(p.initial_state) + offset + rows, kBytes,
                   full);
   } else {
     mbarrier_arrive(full);

@@ -62,12 +62,12 @@ SWEEPS_NEW = """      float sums[kLaneRows];
 COPY_OLD = "  if (p.initial_state != nullptr && offset >= 0) {\n    constexpr"
 COPY_NEW = "  if (false && offset >= 0) {\n    constexpr"
 STORE_OLD = "    if (p.final_state != nullptr && head.state_offset >= 0) {"
+STORE_NEW = "    if (false && head.state_offset >= 0) {"
 # Each (r, k) access of a warp at 32 consecutive 8-byte words: what the stage's bank conflicts cost.
 STAGE_LOAD_OLD = "load4(src + row_of(r) * kHeadDim + col(k), s[r][k]);"
 STAGE_LOAD_NEW = "load4(src + (r * kLaneLeaves + k) * kHeadDim + 4 * lane, s[r][k]);"
 STAGE_STORE_OLD = "store4(rows + row_of(r) * kHeadDim + col(k), s[r][k]);"
 STAGE_STORE_NEW = "store4(rows + (r * kLaneLeaves + k) * kHeadDim + 4 * lane, s[r][k]);"
-STORE_NEW = "    if (false && head.state_offset >= 0) {"
 
 VARIANTS = {
     "prep_free": [(PREP_OLD, PREP_NEW)],
