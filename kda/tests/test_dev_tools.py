@@ -113,7 +113,7 @@ PATCHES = sorted(p.name for p in (ROOT / "tools/dev").glob("*.patch"))
 
 
 def test_patches_found():
-    assert "decode_ws_prep_lookahead.patch" in PATCHES and len(PATCHES) >= 5, PATCHES
+    assert PATCHES, "no tools/dev/*.patch found (a missing data dependency would skip every case below)"
 
 
 @pytest.mark.parametrize("name", PATCHES)
