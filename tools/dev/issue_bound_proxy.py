@@ -35,16 +35,18 @@ import sys
 ROOT = pathlib.Path(__file__).absolute().parents[2]
 # The condition around each kernel's final-state store: exactly one per file.
 STORE = re.compile(r"if \(p\.final_state != nullptr && (head\.state_offset|slot) >= 0\) \{")
-# The lane that issues the final state's copies from the stage to global memory: exactly one per file.
+# The lane issuing the final state's copies from the stage to global memory (lanes 0..15, a row each, in the
+# stage-pitch variant of 555e934): exactly one per file.
 STAGE_COPY = re.compile(
-    r"if \(lane == 0\) \{(?=\s+(?:const int plane = [^;]*;\s+)?(?:bulk_copy_s2g|tensor_copy_3d_s2g)\()")
+    r"if \(lane (?:== 0|< kRowsPerWarp)\) \{"
+    r"(?=\s+(?:const int plane = [^;]*;\s+)?(?:bulk_copy_s2g|tensor_copy_3d_s2g)\()")
 KNOWN = ("kda/csrc/decode_warp_specialised.cu", "kda/csrc/stream_pass.cuh")
 
 
 def storeless(source: pathlib.Path, out: pathlib.Path, keep_stage: bool) -> None:
     text = source.read_text()
     if keep_stage:
-        pattern, knocked_out = STAGE_COPY, lambda m: "if (false && lane == 0) {"
+        pattern, knocked_out = STAGE_COPY, lambda m: m.group(0).replace("if (", "if (false && ", 1)
     else:
         pattern, knocked_out = STORE, lambda m: f"if (false && {m.group(1)} >= 0) {{"
     found = pattern.findall(text)
