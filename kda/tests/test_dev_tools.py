@@ -2,8 +2,8 @@
 
 tools/dev/decode_ws_knockouts.py (the warp-specialised decode kernel with one part knocked out) and
 tools/dev/issue_bound_proxy.py (decode kernels without their final-state copies) refuse to run once a kernel has
-changed under them, and the prepared variants (tools/dev/*.patch) stop applying; these tests make such a change fail
-here rather than on the GPU machine.
+changed under them, and the prepared variants (tools/dev/*.patch, which tools/dev/patch_variants.py applies) stop
+applying; these tests make such a change fail here rather than on the GPU machine.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ if os.environ.get("TEST_SRCDIR") and os.environ.get("TEST_WORKSPACE"):
     ROOT = pathlib.Path(os.environ["TEST_SRCDIR"]) / os.environ["TEST_WORKSPACE"]
 else:
     ROOT = pathlib.Path(__file__).absolute().parents[2]
+sys.path.insert(0, str(ROOT / "tools/dev"))
+import patch_variants  # noqa: E402  (tools/dev/patch_variants.py: the patches applied as git apply applies them)
+
 WS_KERNEL = "kda/csrc/decode_warp_specialised.cu"
 STREAM_PASS = "kda/csrc/stream_pass.cuh"
 
@@ -69,46 +72,6 @@ def test_issue_bound_proxy_applies(tmp_path, keep_stage):
         assert "if (false && " in changed[0][1], changed
 
 
-def _apply_patch(patch: str, read) -> dict[str, str]:
-    """A unified diff applied to the files read(path) gives: the patched texts, by path. Every hunk's old lines
-    must stand in the file as written (at the hunk's line or shifted by an earlier hunk's growth), as git apply
-    without fuzz requires; pure Python, so that the test needs no git or patch program."""
-    patched: dict[str, list[str]] = {}
-    path, lines, shift = None, [], 0
-    body = patch.splitlines()
-    i = 0
-    while i < len(body):
-        line = body[i]
-        if line.startswith("+++ b/"):
-            path = line[len("+++ b/"):]
-            lines, shift = read(path).splitlines(), 0
-            patched[path] = lines
-        elif line.startswith("@@ "):
-            # @@ -start,count +start,count @@: exactly `count` old and new lines follow (a "\ No newline" note aside).
-            old_range, new_range = line.split()[1:3]
-            start = int(old_range.split(",")[0][1:])
-            old_left = int(old_range.split(",")[1]) if "," in old_range else 1
-            new_left = int(new_range.split(",")[1]) if "," in new_range else 1
-            old, new = [], []
-            i += 1
-            while old_left or new_left:
-                tag, text = body[i][:1], body[i][1:]
-                if tag in (" ", "-"):
-                    old.append(text)
-                    old_left -= 1
-                if tag in (" ", "+"):
-                    new.append(text)
-                    new_left -= 1
-                i += 1
-            at = start - 1 + shift if old else start + shift
-            assert lines[at:at + len(old)] == old, f"{path}: the hunk at line {start} no longer matches"
-            lines[at:at + len(old)] = new
-            shift += len(new) - len(old)
-            continue
-        i += 1
-    return {p: "\n".join(t) + "\n" for p, t in patched.items()}
-
-
 PATCHES = sorted(p.name for p in (ROOT / "tools/dev").glob("*.patch"))
 
 
@@ -118,7 +81,19 @@ def test_patches_found():
 
 @pytest.mark.parametrize("name", PATCHES)
 def test_patch_applies(name):
-    patched = _apply_patch((ROOT / "tools/dev" / name).read_text(), lambda path: (ROOT / path).read_text())
+    patched = patch_variants.apply_patch((ROOT / "tools/dev" / name).read_text(), lambda path: (ROOT / path).read_text())
     assert patched, f"{name} names no file"
     for path, text in patched.items():
         assert text != (ROOT / path).read_text(), f"{name} leaves {path} as it is"
+
+
+def test_patch_variants_alternate_with_the_tree(tmp_path):
+    patches = [str(ROOT / "tools/dev" / name) for name in PATCHES]
+    builds = _copies(_run("patch_variants.py", str(tmp_path), *patches, "--baseline", "--repeat", "2"))
+    assert len(builds) == 2 * 2 * len(PATCHES)
+    for i, files in enumerate(builds):
+        for path, copy in files.items():
+            same = copy.read_text() == (ROOT / path).read_text()
+            # Even builds are the patches' (each changes every file it names), odd ones the tree's own files.
+            assert same == (i % 2 == 1), (i, path, copy)
+    assert builds[: 2 * len(PATCHES)] == builds[2 * len(PATCHES):], "the second round differs from the first"
