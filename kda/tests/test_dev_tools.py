@@ -1,9 +1,10 @@
 """The development tools that copy kernel sources with exact text replacements still find their text (CPU; runs in CI).
 
 tools/dev/decode_ws_knockouts.py (the warp-specialised decode kernel with one part knocked out) and
-tools/dev/issue_bound_proxy.py (decode kernels without their final-state copies) refuse to run once a kernel has
-changed under them, and the prepared variants (tools/dev/*.patch, which tools/dev/patch_variants.py applies) stop
-applying; these tests make such a change fail here rather than on the GPU machine.
+tools/dev/issue_bound_proxy.py (decode kernels without their final-state copies, or with their states in L2) refuse
+to run once a kernel has changed under them, and the prepared variants (tools/dev/*.patch, which
+tools/dev/patch_variants.py applies) stop applying; these tests make such a change fail here rather than on the GPU
+machine.
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ def test_issue_bound_proxy_applies(tmp_path, keep_stage):
         assert "if (false && " in changed[0][1], changed
 
 
+def test_issue_bound_proxy_l2_states(tmp_path):
+    (files,) = _copies(_run("issue_bound_proxy.py", str(tmp_path), "", "--baseline", "--l2-states"))
+    assert sorted(files) == [WS_KERNEL, STREAM_PASS]
+    assert files[STREAM_PASS].read_text() == (ROOT / STREAM_PASS).read_text()
+    source, text = (ROOT / WS_KERNEL).read_text(), files[WS_KERNEL].read_text()
+    # The head table's state offset on one line, every store, copy and wait kept.
+    changed = [(a, b) for a, b in zip(source.splitlines(), text.splitlines()) if a != b]
+    assert len(source.splitlines()) == len(text.splitlines()) and len(changed) == 1, changed
+    assert "(first % stride) * kHeadElems" in changed[0][1], changed
+
+
 PATCHES = sorted(p.name for p in (ROOT / "tools/dev").glob("*.patch"))
 
 
@@ -81,7 +93,8 @@ def test_patches_found():
 
 @pytest.mark.parametrize("name", PATCHES)
 def test_patch_applies(name):
-    patched = patch_variants.apply_patch((ROOT / "tools/dev" / name).read_text(), lambda path: (ROOT / path).read_text())
+    patch = (ROOT / "tools/dev" / name).read_text()
+    patched = patch_variants.apply_patch(patch, lambda path: (ROOT / path).read_text())
     assert patched, f"{name} names no file"
     for path, text in patched.items():
         assert text != (ROOT / path).read_text(), f"{name} leaves {path} as it is"

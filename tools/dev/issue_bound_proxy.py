@@ -1,5 +1,5 @@
-"""Store-less copies of decode kernel sources, for timing issue-side changes on an H100 (a development measurement on
-the GPU machine, not a test; the copies compute wrong results on purpose).
+"""Issue-bound copies of decode kernel sources (store-less, or with the states in L2), for timing issue-side changes on
+an H100 (a development measurement on the GPU machine, not a test; the copies compute wrong results on purpose).
 
 On an H100 the decode rows run at 78-83 % of the memory floor, so a change that saves issue slots does not show there,
 while on the H200 (1.4x the bandwidth, the same SMs and clocks) the same kernels run at 59-64 % and are bound by issue.
@@ -19,6 +19,12 @@ git-ignored) travels with the tree to the GPU machine; its paths are printed rel
 --baseline adds the tree's files, store-less, as the first variant and again after each other one (A, B, A for one).
 --keep-stage knocks out only the copies from the stage to global memory and keeps each warp's stores of its rows
 into the stage: the proxy for a change whose cost is in those shared-memory stores (a change of the stage's layout).
+--l2-states keeps every store, copy and wait and moves the state traffic out of DRAM instead: in the warp-specialised
+kernel every head of a group reads and writes one state slot of the group's own (the group's index times a head's
+state), so the states of a call stay in L2 (264 groups x 32 KB = 8.4 MB on 132 SMs) and DRAM carries only the tokens
+and outputs. The proxy for a change to a serial point on the final state's way out (a wait for a copy), which the
+store-less copies remove from every build; it needs a pool of at least as many head states as the grid has groups
+(the bench's decode rows have 4,096). stream_pass.cuh is copied as it is.
 Files it knows: kda/csrc/decode_warp_specialised.cu and kda/csrc/stream_pass.cuh (one final-state store each); any
 other file a variant replaces (a header both include) is copied as it is, and the tree's copy goes into the builds
 that do not replace it.
@@ -41,6 +47,19 @@ STAGE_COPY = re.compile(
     r"if \(lane (?:== 0|< kRowsPerWarp)\) \{"
     r"(?=\s+(?:const int plane = [^;]*;\s+)?(?:bulk_copy_s2g|tensor_copy_3d_s2g)\()")
 KNOWN = ("kda/csrc/decode_warp_specialised.cu", "kda/csrc/stream_pass.cuh")
+# The state's offset of a head in the warp-specialised kernel's table (fill_head_table): exactly one per file.
+HEAD_STATE = "static_cast<int64_t>(state_offset(p, slot, h))"
+GROUP_STATE = "(first % stride) * kHeadElems"  # first % stride: the group's index (its first item)
+
+
+def l2_states(source: pathlib.Path, out: pathlib.Path) -> None:
+    text = source.read_text()
+    if source.name == "decode_warp_specialised.cu":
+        if text.count(HEAD_STATE) != 1:
+            sys.exit(f"{source}: {text.count(HEAD_STATE)} head-table state offsets matched, expected 1")
+        text = text.replace(HEAD_STATE, GROUP_STATE)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 def storeless(source: pathlib.Path, out: pathlib.Path, keep_stage: bool) -> None:
@@ -61,7 +80,9 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("variants", nargs="?", default="", help="a KDA_VARIANT value: PATH=FILE[+PATH=FILE...][,...]")
     parser.add_argument("--baseline", action="store_true", help="the tree's files as variant A, alternated")
-    parser.add_argument("--keep-stage", action="store_true", help="keep the stores into the stage (see above)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--keep-stage", action="store_true", help="keep the stores into the stage (see above)")
+    mode.add_argument("--l2-states", action="store_true", help="keep every store; the states stay in L2 (see above)")
     args = parser.parse_args()
     out = pathlib.Path(args.out_dir).resolve()
     variants = [v for v in args.variants.split(",") if v]
@@ -72,7 +93,9 @@ def main() -> None:
         for path in paths:
             target = out / name / pathlib.Path(path).name
             source = files.get(path, ROOT / path)
-            if path in KNOWN:
+            if path in KNOWN and args.l2_states:
+                l2_states(source, target)
+            elif path in KNOWN:
                 storeless(source, target, args.keep_stage)
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
