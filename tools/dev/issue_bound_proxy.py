@@ -20,11 +20,12 @@ git-ignored) travels with the tree to the GPU machine; its paths are printed rel
 --keep-stage knocks out only the copies from the stage to global memory and keeps each warp's stores of its rows
 into the stage: the proxy for a change whose cost is in those shared-memory stores (a change of the stage's layout).
 --l2-states keeps every store, copy and wait and moves the state traffic out of DRAM instead: in the warp-specialised
-kernel every head of a group reads and writes one state slot of the group's own (the group's index times a head's
-state), so the states of a call stay in L2 (264 groups x 32 KB = 8.4 MB on 132 SMs) and DRAM carries only the tokens
-and outputs. The proxy for a change to a serial point on the final state's way out (a wait for a copy), which the
-store-less copies remove from every build; it needs a pool of at least as many head states as the grid has groups
-(the bench's decode rows have 4,096). stream_pass.cuh is copied as it is.
+kernel every head of a group reads and writes one head state of the group's own (the group's index in the pool), in
+the stream pass every item of a CTA one of the CTA's own (its bf16 tensor-map copies), so the states of a call stay
+in L2 (264 groups or 132 CTAs x 32 KB: 8.4 or 4.2 MB) and DRAM carries only the tokens and outputs. The proxy for a
+change to a serial point on the state's way in or out (a wait for a copy, the start of a stream), which the
+store-less copies remove from every build or do not touch; it needs a pool of at least as many head states as the
+grid has groups or CTAs (the bench's decode rows have 2,048 or more).
 Files it knows: kda/csrc/decode_warp_specialised.cu and kda/csrc/stream_pass.cuh (one final-state store each); any
 other file a variant replaces (a header both include) is copied as it is, and the tree's copy goes into the builds
 that do not replace it.
@@ -47,19 +48,24 @@ STAGE_COPY = re.compile(
     r"if \(lane (?:== 0|< kRowsPerWarp)\) \{"
     r"(?=\s+(?:const int plane = [^;]*;\s+)?(?:bulk_copy_s2g|tensor_copy_3d_s2g)\()")
 KNOWN = ("kda/csrc/decode_warp_specialised.cu", "kda/csrc/stream_pass.cuh")
-# The state's offset of a head in the warp-specialised kernel's table (fill_head_table): exactly one per file.
-HEAD_STATE = "static_cast<int64_t>(state_offset(p, slot, h))"
-GROUP_STATE = "(first % stride) * kHeadElems"  # first % stride: the group's index (its first item)
+# Per file, the expression that places a head's state in the pools (exactly one each) and its --l2-states stand-in:
+# the warp-specialised kernel's table entry (fill_head_table; first % stride is the group's index) and the stream
+# pass's tensor-map plane (state_plane).
+L2_STATES = {
+    "kda/csrc/decode_warp_specialised.cu": ("static_cast<int64_t>(state_offset(p, slot, h))",
+                                            "(first % stride) * kHeadElems"),
+    "kda/csrc/stream_pass.cuh": ("return static_cast<int>(slot * p.heads + h);",
+                                 "return static_cast<int>(blockIdx.x);"),
+}
 
 
-def l2_states(source: pathlib.Path, out: pathlib.Path) -> None:
+def l2_states(path: str, source: pathlib.Path, out: pathlib.Path) -> None:
     text = source.read_text()
-    if source.name == "decode_warp_specialised.cu":
-        if text.count(HEAD_STATE) != 1:
-            sys.exit(f"{source}: {text.count(HEAD_STATE)} head-table state offsets matched, expected 1")
-        text = text.replace(HEAD_STATE, GROUP_STATE)
+    placed, stand_in = L2_STATES[path]
+    if text.count(placed) != 1:
+        sys.exit(f"{source}: {text.count(placed)} state placements matched, expected 1")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out.write_text(text.replace(placed, stand_in))
 
 
 def storeless(source: pathlib.Path, out: pathlib.Path, keep_stage: bool) -> None:
@@ -94,7 +100,7 @@ def main() -> None:
             target = out / name / pathlib.Path(path).name
             source = files.get(path, ROOT / path)
             if path in KNOWN and args.l2_states:
-                l2_states(source, target)
+                l2_states(path, source, target)
             elif path in KNOWN:
                 storeless(source, target, args.keep_stage)
             else:
