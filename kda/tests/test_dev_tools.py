@@ -4,11 +4,12 @@ tools/dev/decode_ws_knockouts.py (the warp-specialised decode kernel with one pa
 tools/dev/issue_bound_proxy.py (decode kernels without their final-state copies, or with their states in L2) refuse
 to run once a kernel has changed under them, and the prepared variants (tools/dev/*.patch, which
 tools/dev/patch_variants.py applies) stop applying; these tests make such a change fail here rather than on the GPU
-machine.
+machine. tools/dev/variant_table.py, which sums up such a run, is checked on a made-up run's JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -111,3 +112,26 @@ def test_patch_variants_alternate_with_the_tree(tmp_path):
             # Even builds are the patches' (each changes every file it names), odd ones the tree's own files.
             assert same == (i % 2 == 1), (i, path, copy)
     assert builds[: 2 * len(PATCHES)] == builds[2 * len(PATCHES):], "the second round differs from the first"
+
+
+def test_variant_table(tmp_path):
+    def bench(graph: float, eager: float) -> str:
+        rows = [{"case": "decode varlen 128x4 H32", "flash_kda_ms": eager, "flash_kda_graph_ms": graph}]
+        return json.dumps({"meta": {}, "rows": rows})
+
+    (tmp_path / "bench.json").write_text(bench(0.118, 0.154))
+    for i, (graph, eager) in enumerate([(0.117, 0.142), (0.119, 0.18), (0.1169, 0.159)], start=1):
+        (tmp_path / f"bench_variant{i}.json").write_text(bench(graph, eager))
+    (tmp_path / "bench_variant10.json").write_text(bench(0.2, 0.3))  # after 3, not after 1
+    variants = ",".join(["kda/csrc/d.cu=ab/in_out/kda/csrc/d.cu", "kda/csrc/d.cu=ab2/tree/d.cu+kda/csrc/s.cuh=x/s.cuh",
+                         "kda/csrc/d.cu=/tmp/d_v20.cu"])
+    done = subprocess.run([sys.executable, str(ROOT / "tools/dev/variant_table.py"), str(tmp_path), "--variants",
+                           variants], capture_output=True, text=True, check=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows == [
+        "| the tree as built | 0.1180 (0.1540) |",
+        "| 1: in_out | 0.1170 (0.1420) |",
+        "| 2: tree | 0.1190 (0.1800) |",
+        "| 3: d_v20.cu | 0.1169 (0.1590) |",
+        "| variant 10 | 0.2000 (0.3000) |",
+    ], done.stdout

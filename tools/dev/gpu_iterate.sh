@@ -13,7 +13,8 @@
 #                  same benchmark (bench_variantN.*) and
 #                  profile (profile_variantN.log) on it, then put PATH back (bazel-bin keeps the last variant's
 #                  build unless KDA_PROFILE rebuilds the tree after): several kernels measured on one machine; the
-#                  summary shows each variant's CUDA-graph table and stage times
+#                  summary shows each variant's CUDA-graph table and stage times, and last one table of every
+#                  build's times (tools/dev/variant_table.py)
 #   KDA_STEP_TIMEOUT  seconds: each test target's timeout (bazel --test_timeout) and a kill after that long for
 #                  each benchmark and profile run, so that a kernel that never finishes costs one step, not the
 #                  whole iteration (default: no limit)
@@ -160,4 +161,5 @@ for variant in ${variants//,/ }; do
   [[ -f "${out}/profile_variant${vi}.log" ]] && grep "^|" "${out}/profile_variant${vi}.log"
 done
 [[ -f "${out}/profile.log" ]] && { echo "---- the tree"; grep "^|" "${out}/profile.log"; }
+[[ -n "${variants}" ]] && python3 tools/dev/variant_table.py "${out}" --variants "${variants}"
 exit "${test_rc}"
