@@ -16,7 +16,8 @@ git-ignored) travels with the tree to the GPU machine; its paths are printed rel
   KDA_TESTS= KDA_PROFILE= KDA_BENCH="--peers= --cases=17,18,15 --iters=50 --noaccuracy" KDA_VARIANT="$(...)" \\
       tools/dev/gpu_iterate.sh OUT
 
---baseline adds the tree's files, store-less, as the first variant and again after each other one (A, B, A for one).
+--baseline adds the tree's files, rewritten the same way, as the first variant and again after each other one (A, B,
+A for one).
 --keep-stage knocks out only the copies from the stage to global memory and keeps each warp's stores of its rows
 into the stage: the proxy for a change whose cost is in those shared-memory stores (a change of the stage's layout).
 --l2-states keeps every store, copy and wait and moves the state traffic out of DRAM instead: in the warp-specialised
