@@ -34,6 +34,11 @@ out="$(realpath -m "${1:-/tmp/kda-iter}")"  # absolute: bench_fwd runs from its 
 mkdir -p "${out}"
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.."
 bazel=tools/offline/bazel-offline
+# Every command builds in one configuration and shares an action cache on disk. Bazel 4.2.3 keeps one output tree
+# for all values of a Starlark flag, so a `bazel run` without the build's --config=ptxas would compile every CUDA
+# file again, and the next build again; and with the cache a variant that returns to files built before (the tree
+# between variants) is not compiled again.
+flags=(--config=ptxas "--disk_cache=${KDA_DISK_CACHE:-/tmp/kda-disk-cache}")
 export PYTHONUNBUFFERED=1
 t0=${SECONDS}
 stamp() { echo "[gpu_iterate $((SECONDS - t0)) s] $*"; }
@@ -51,7 +56,7 @@ if [[ "${KDA_PEERS:-0}" == 1 && -f .peers/build_peers.sh ]]; then
 fi
 
 stamp "build (ptxas report)"
-"${bazel}" build --config=ptxas //kda:py //kda/bench:all > "${out}/build.log" 2>&1
+"${bazel}" build "${flags[@]}" //kda:py //kda/bench:all > "${out}/build.log" 2>&1
 build_rc=$?
 grep -E "Compiling entry|registers|spill" "${out}/build.log" | sed 's/_ZN3kda[^ ]*kda_\([a-z]*\)_kernel\(I[^ ]*\)\?E.*/kda_\1_kernel \2/' > "${out}/ptxas.txt"
 [[ ${build_rc} == 0 ]] || { tail -40 "${out}/build.log"; exit "${build_rc}"; }
@@ -79,7 +84,8 @@ tests="${KDA_TESTS-//kda/tests:all --test_tag_filters=-long_context,-sanitizer}"
 if [[ -n "${tests}" ]]; then
   stamp "bazel test ${tests}"
   # shellcheck disable=SC2086
-  "${bazel}" test --keep_going ${step_timeout:+--test_timeout=${step_timeout}} ${tests} > "${out}/test.log" 2>&1
+  "${bazel}" test "${flags[@]}" --keep_going ${step_timeout:+--test_timeout=${step_timeout}} ${tests} \
+    > "${out}/test.log" 2>&1
   test_rc=$?
 fi
 
@@ -90,8 +96,8 @@ bench="${KDA_BENCH---peers=moonshot}"
 if [[ -n "${bench}" ]]; then
   stamp "bench_fwd ${bench}"
   # shellcheck disable=SC2086
-  guarded "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench.json" --markdown="${out}/bench.md" \
-    --png="${out}/bench.png" > "${out}/bench.log" 2>&1
+  guarded "${bazel}" run "${flags[@]}" //kda/bench:bench_fwd -- ${bench} --json="${out}/bench.json" \
+    --markdown="${out}/bench.md" --png="${out}/bench.png" > "${out}/bench.log" 2>&1
   echo "bench exit status $?" >> "${out}/bench.log"
 fi
 
@@ -108,16 +114,17 @@ for variant in ${variants//,/ }; do
     cp "${swaps[si]#*=}" "${target}"
   done
   stamp "variant ${vi}: ${variant}: build, bench_fwd ${bench}, profile_kernels ${profile}"
-  if "${bazel}" build --config=ptxas //kda:py //kda/bench:all > "${out}/variant${vi}_build.log" 2>&1; then
+  if "${bazel}" build "${flags[@]}" //kda:py //kda/bench:all > "${out}/variant${vi}_build.log" 2>&1; then
     if [[ -n "${bench}" ]]; then
       # shellcheck disable=SC2086
-      guarded "${bazel}" run //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant${vi}.json" \
+      guarded "${bazel}" run "${flags[@]}" //kda/bench:bench_fwd -- ${bench} --json="${out}/bench_variant${vi}.json" \
         --markdown="${out}/bench_variant${vi}.md" > "${out}/bench_variant${vi}.log" 2>&1
       echo "bench exit status $?" >> "${out}/bench_variant${vi}.log"
     fi
     if [[ -n "${profile}" ]]; then
       # shellcheck disable=SC2086
-      guarded "${bazel}" run //kda/bench:profile_kernels -- ${profile} > "${out}/profile_variant${vi}.log" 2>&1
+      guarded "${bazel}" run "${flags[@]}" //kda/bench:profile_kernels -- ${profile} \
+        > "${out}/profile_variant${vi}.log" 2>&1
     fi
   else
     tail -20 "${out}/variant${vi}_build.log"
@@ -136,7 +143,7 @@ fi
 if [[ -n "${profile}" ]]; then
   stamp "profile_kernels ${profile}"
   # shellcheck disable=SC2086
-  guarded "${bazel}" run //kda/bench:profile_kernels -- ${profile} > "${out}/profile.log" 2>&1
+  guarded "${bazel}" run "${flags[@]}" //kda/bench:profile_kernels -- ${profile} > "${out}/profile.log" 2>&1
 fi
 
 echo
