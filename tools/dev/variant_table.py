@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 
 
-def builds(out_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
-    """The bench JSONs of one gpu_iterate.sh run, in build order: ("tree", bench.json), ("variant N", ...)."""
-    found = [("tree", out_dir / "bench.json")] if (out_dir / "bench.json").exists() else []
-    variants = sorted(out_dir.glob("bench_variant*.json"), key=lambda p: int(re.findall(r"\d+", p.stem)[-1]))
-    return found + [(f"variant {re.findall(r'[0-9]+', p.stem)[-1]}", p) for p in variants]
+def builds(out_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    """The bench JSONs of one gpu_iterate.sh run, in build order: (0, bench.json) for the tree, (N, bench_variantN)."""
+    found = [(0, out_dir / "bench.json")] if (out_dir / "bench.json").exists() else []
+    found += [(int(p.stem.removeprefix("bench_variant")), p) for p in out_dir.glob("bench_variant*.json")]
+    return sorted(found)
 
 
 def variant_label(variant: str) -> str:
@@ -59,12 +58,8 @@ def main() -> None:
     args = parser.parse_args()
     labels = [variant_label(v) for v in args.variants.split(",") if v]
     rows = []
-    for label, path in builds(args.out_dir):
-        if label == "tree":
-            label = "the tree as built"
-        else:
-            n = int(label.split()[-1])
-            label = f"{n}: {labels[n - 1]}" if n <= len(labels) else label
+    for n, path in builds(args.out_dir):
+        label = "the tree as built" if n == 0 else f"{n}: {labels[n - 1]}" if n <= len(labels) else f"variant {n}"
         rows.append((label, json.loads(path.read_text())["rows"]))
     print("FlashKDA ms, graph (eager), by build:" if rows else f"no bench JSON in {args.out_dir}")
     if rows:
