@@ -6,8 +6,7 @@ OUT_DIR/<patch name>/ and prints the KDA_VARIANT value with which tools/dev/gpu_
 the tree as it is; --baseline puts the tree's own files between them (A, B1, A, B2, A) and --repeat runs the whole
 order again, so that several variants are alternated with the kept design on one machine:
 
-  python3 tools/dev/patch_variants.py OUT_DIR tools/dev/decode_ws_late_refill.patch \\
-      tools/dev/decode_ws_direct_final_stores.patch --baseline --repeat 2
+  python3 tools/dev/patch_variants.py OUT_DIR A.patch B.patch --baseline --repeat 2
   KDA_TESTS= KDA_PROFILE= KDA_BENCH="--peers= --cases=15,17 --iters=50 --noaccuracy" KDA_VARIANT="$(...)" \\
       tools/dev/gpu_iterate.sh
 
