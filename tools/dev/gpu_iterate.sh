@@ -32,6 +32,9 @@
 set -uo pipefail
 out="$(realpath -m "${1:-/tmp/kda-iter}")"  # absolute: bench_fwd runs from its runfiles
 mkdir -p "${out}"
+# Into an OUT_DIR used before: the summary's table reads every bench JSON there, so a former iteration's would show
+# as builds of this one.
+rm -f "${out}"/bench.* "${out}"/bench_variant* "${out}"/profile.log "${out}"/profile_variant*.log
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.."
 bazel=tools/offline/bazel-offline
 # Every command builds in one configuration and shares an action cache on disk. Bazel 4.2.3 keeps one output tree
