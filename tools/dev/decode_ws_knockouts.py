@@ -11,6 +11,8 @@ value that has tools/dev/gpu_iterate.sh build and time each of them after the tr
 Variants (docs/PERFORMANCE.md, "Where the warp-specialised kernel waits"):
   prep_free         the preparing warps publish constant tokens: no loads, no gate or norm arithmetic
   arithmetic_free   the state warps skip the per-token sweeps (same handshakes, same output stores)
+  sweeps_once_per_head  the sweeps on each head's first token only, the other tokens as in arithmetic_free: the
+                    state warps' side of a step that took a head's tokens together at one token's cost
   memory_free       no initial-state copies and no final-state stores
   no_final_store    no final-state stores
   no_initial_copy   no initial-state copies (the stage barrier gets a plain arrival)
@@ -59,6 +61,13 @@ SWEEPS_NEW = """      float sums[kLaneRows];
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) sums[r] = __fmaf_rn(s[r][0][0], beta, v_in);
 """
+# The sweeps on a head's first token only (the other tokens as in arithmetic_free): about what a step taking a
+# head's 4 tokens at once in one token's instructions would leave to the state warps.
+SWEEPS_ONCE_NEW = ("      float sums[kLaneRows];\n      if (left == head.len) {\n"
+                   + SWEEPS_OLD.replace("      float sums[kLaneRows];\n", "")
+                   + "      } else {\n"
+                   + SWEEPS_NEW.replace("      float sums[kLaneRows];\n", "")
+                   + "      }\n")
 COPY_OLD = "  if (p.initial_state != nullptr && offset >= 0) {\n    constexpr"
 COPY_NEW = "  if (false && offset >= 0) {\n    constexpr"
 STORE_OLD = "    if (p.final_state != nullptr && head.state_offset >= 0) {"
@@ -72,6 +81,7 @@ STAGE_STORE_NEW = "store4(rows + (r * kLaneLeaves + k) * kHeadDim + 4 * lane, s[
 VARIANTS = {
     "prep_free": [(PREP_OLD, PREP_NEW)],
     "arithmetic_free": [(SWEEPS_OLD, SWEEPS_NEW)],
+    "sweeps_once_per_head": [(SWEEPS_OLD, SWEEPS_ONCE_NEW)],
     "memory_free": [(COPY_OLD, COPY_NEW), (STORE_OLD, STORE_NEW)],
     "no_final_store": [(STORE_OLD, STORE_NEW)],
     "no_initial_copy": [(COPY_OLD, COPY_NEW)],
