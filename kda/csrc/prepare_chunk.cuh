@@ -42,7 +42,7 @@ static_assert(kChunk * kAStride * 4 + kChunk * kChunk * 4 <= kPrepTileBytes,
 constexpr int kLoopedScratchBytes = kPrepTileBytes + kChunk * kHeadDim * 4;
 static_assert(kLoopedScratchBytes <= static_cast<int>(sizeof(PrepScratch)), "a PrepScratch holds it");
 // The looped form's rows per turn of phase 2b: Krᵀ leaves in 8-byte pieces (two token pairs per channel); 8 rows
-// and 16-byte pieces ran no faster (docs/PERFORMANCE.md, "Which side sets the time").
+// and 16-byte pieces ran no faster (docs/PERFORMANCE.md at tag measurements-2026-12-07, "Which side sets the time").
 constexpr int kLoopRows = 4;
 
 // The lane's leaf of a sum over 128 channels (lane l holding channels 4l..4l+3) of x·y, in the order the twin

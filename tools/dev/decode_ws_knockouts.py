@@ -8,7 +8,7 @@ value that has tools/dev/gpu_iterate.sh build and time each of them after the tr
   KDA_TESTS= KDA_PROFILE= KDA_BENCH="--peers= --cases=17 --iters=50" KDA_VARIANT="$(python3 ... OUT_DIR)" \\
       tools/dev/gpu_iterate.sh
 
-Variants (docs/PERFORMANCE.md, "Where the warp-specialised kernel waits"):
+Variants (docs/PERFORMANCE.md at tag measurements-2026-12-07, "Where the warp-specialised kernel waits"):
   prep_free         the preparing warps publish constant tokens: no loads, no gate or norm arithmetic
   arithmetic_free   the state warps skip the per-token sweeps (same handshakes, same output stores)
   sweeps_once_per_head  the sweeps on each head's first token only, the other tokens as in arithmetic_free: the

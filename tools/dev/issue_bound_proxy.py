@@ -5,7 +5,7 @@ On an H100 the decode rows run at 78-83 % of the memory floor, so a change that 
 while on the H200 (1.4x the bandwidth, the same SMs and clocks) the same kernels run at 59-64 % and are bound by issue.
 With the final-state stores knocked out (a third of the state traffic) the H100 is bound by issue too: the warp-
 specialised kernel's head table ran varlen 128 x 4 H32 in 0.121 ms against v35's 0.121 as built, and 0.098 / 0.095
-against 0.105 / 0.102 store-less (docs/bench-h100-2026-12-06-head-table.md).
+against 0.105 / 0.102 store-less (docs/bench-h100-2026-12-06-head-table.md at tag measurements-2026-12-07).
 
 For each variant of a KDA_VARIANT value (tools/dev/gpu_iterate.sh) this writes the store-less copies of its files
 into OUT_DIR, and of the tree's own file where a variant does not replace it, and prints the KDA_VARIANT value that
