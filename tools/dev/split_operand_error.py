@@ -1,8 +1,8 @@
 """How accurate a chunk step of 16 tokens would be with its tensor-core operands split into bf16 high and low
 parts (a development probe for the decode lever of docs/PERFORMANCE.md at tag measurements-2026-12-07, "Decode
-v22.2", not a test). Runs on the CPU: the chunked twin (flash_kda.numerics.chunked_forward) with PyTorch's exact exp2 and sigmoid and each matmul
-evaluated in float64 from the operands below, rounded to fp32 once (a tensor core's fp32 accumulation is close to
-that), against the float64 reference; B16 H8, bench_fwd's inputs, a bf16 state.
+v22.2", not a test). Runs on the CPU: the chunked twin (flash_kda.numerics.chunked_forward) with PyTorch's exact
+exp2 and sigmoid and each matmul evaluated in float64 from the operands below, rounded to fp32 once (a tensor core's
+fp32 accumulation is close to that), against the float64 reference; B16 H8, bench_fwd's inputs, a bf16 state.
 
   bf16          every operand rounded to bf16, as the chunked kernels do
   split 3       both operands as hi + lo (hi = bf16(x), lo = bf16(x - hi)), three products: hi·hi + hi·lo + lo·hi
